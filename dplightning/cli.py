@@ -1,0 +1,56 @@
+"""The ``dplightning`` command: LightningCLI with the DP strategies registered.
+
+    dplightning fit --config configs/quickstart.yaml
+    dplightning fit --config configs/quickstart.yaml --trainer.strategy.init_args.target_epsilon 1
+    dplightning fit --trainer.strategy.help dplightning.DPStrategy    # the DP arguments
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+import dplightning  # noqa: F401  (registers the strategy names before parsing)
+
+
+class DPLightningCLI(LightningCLI):
+    """LightningCLI that can test after fit and reports the final (ε, δ)."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--test_after_fit", type=bool, default=False, help="Run the test loop with the fitted weights after fit."
+        )
+
+    def after_fit(self) -> None:
+        if self.config.get(self.subcommand, {}).get("test_after_fit"):
+            self.trainer.test(self.model, datamodule=self.datamodule, verbose=True)
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "get_epsilon") and strategy.steps:
+            eps = strategy.get_epsilon()
+            shown = "inf (no Poisson sampling)" if math.isinf(eps) else f"{eps:.4g}"
+            rank_zero_info(f"Final privacy guarantee: (ε = {shown}, δ = {strategy.delta:.3g}) after {strategy.steps} steps.")
+
+
+def build_cli(args: list[str] | None = None) -> DPLightningCLI:
+    """Parse ``args`` (default: ``sys.argv``) and run the subcommand; return the CLI object."""
+    return DPLightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``dplightning`` console script (and ``python -m dplightning.cli``)."""
+    build_cli(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Poisson sampling for Lightning train loaders: a batch sampler and an empty-safe collate.
+
+Each process owns the disjoint shard ``arange(N)[rank::W]`` and includes each of its
+examples independently with probability q, so the union over ranks is one Poisson(q)
+sample of the whole set. An epoch is ⌈1/q⌉ logical steps, each split into exactly
+``micro_batches`` (Lightning's ``accumulate_grad_batches``) physical batches, empty ones
+included: every rank yields the same number of batches, so no rank waits for another.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from dplightning.privacy.noise import derive_seed
+
+_ACCEPTED_SAMPLERS = (RandomSampler, SequentialSampler, DistributedSampler)
+
+
+def steps_per_epoch(sample_rate: float) -> int:
+    """Logical steps per epoch, ⌈1/q⌉ (the expected number of batches covering N)."""
+    return math.ceil(1.0 / sample_rate - 1e-9)
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Yields Poisson-sampled index lists, ``micro_batches`` per logical step.
+
+    Args:
+        num_samples: Size N of the whole training set.
+        sample_rate: Inclusion probability q of every example.
+        micro_batches: Physical batches per logical step (a split of one Poisson batch).
+        rank: This process' rank; it samples the shard ``arange(N)[rank::world_size]``.
+        world_size: Number of processes.
+        seed: FOR TESTS ONLY; ``None`` seeds each epoch from OS entropy.
+        secure_mode: Draw inclusion decisions from the OS CSPRNG.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        micro_batches: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int | None = None,
+        secure_mode: bool = False,
+    ) -> None:
+        if num_samples <= 0:
+            raise ValueError("Poisson sampling needs a non-empty dataset.")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}.")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}.")
+        self.num_samples = num_samples
+        self.sample_rate = sample_rate
+        self.micro_batches = micro_batches
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.secure_mode = secure_mode
+        self.steps_per_epoch = steps_per_epoch(sample_rate)
+        self.shard = torch.arange(rank, num_samples, world_size)
+        self.epoch = 0
+        self._iterations = 0
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.micro_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Lightning at the start of each epoch."""
+        self.epoch = epoch
+
+    def _uniforms(self, generator: torch.Generator | None) -> Tensor:
+        if self.secure_mode:
+            raw = np.frombuffer(os.urandom(8 * len(self.shard)), dtype=np.uint64)
+            return torch.from_numpy((raw >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+        return torch.rand(len(self.shard), generator=generator, dtype=torch.float64)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._iterations += 1
+        seed = secrets.randbits(63) if self.seed is None else derive_seed(
+            self.seed, "sample", self.rank, self.epoch, self._iterations
+        )
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(self.steps_per_epoch):
+            chosen = self.shard[self._uniforms(generator) < self.sample_rate]
+            for part in torch.tensor_split(chosen, self.micro_batches):
+                yield part.tolist()
+
+
+class EmptySafeCollate:
+    """Wraps a collate function so that an empty index list yields zero-length tensors.
+
+    The empty batch has the structure, dtypes and trailing shapes of ``dataset[0]``
+    collated alone (only shapes are used, no values), so models run unchanged.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], dataset: Dataset) -> None:
+        self.collate_fn = collate_fn
+        self.dataset = dataset
+
+    def __call__(self, examples: list[Any]) -> Any:
+        if examples:
+            return self.collate_fn(examples)
+        template = self.collate_fn([self.dataset[0]])
+        return apply_to_collection(template, Tensor, lambda t: t[:0])
+
+
+class PoissonDataLoader(DataLoader):
+    """A ``DataLoader`` with :class:`PoissonBatchSampler` and :class:`EmptySafeCollate`."""
+
+    batch_sampler: PoissonBatchSampler
+
+    @classmethod
+    def from_dataloader(cls, dataloader: DataLoader, sample_rate: float, **sampler_kwargs: Any) -> PoissonDataLoader:
+        """Rebuild ``dataloader`` with Poisson sampling, keeping dataset, collate and workers."""
+        dataset = dataloader.dataset
+        sampler = PoissonBatchSampler(len(dataset), sample_rate, **sampler_kwargs)  # type: ignore[arg-type]
+        return cls(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=EmptySafeCollate(dataloader.collate_fn, dataset),
+            num_workers=dataloader.num_workers,
+            pin_memory=dataloader.pin_memory,
+            timeout=dataloader.timeout,
+            worker_init_fn=dataloader.worker_init_fn,
+            multiprocessing_context=dataloader.multiprocessing_context,
+            prefetch_factor=dataloader.prefetch_factor,
+            persistent_workers=dataloader.persistent_workers,
+        )
+
+
+def check_poisson_compatible(dataloader: DataLoader) -> None:
+    """Raise if replacing the loader's sampler would silently change what the user asked for."""
+    if isinstance(dataloader.dataset, IterableDataset):
+        raise TypeError("Poisson sampling needs a map-style dataset (with __len__ and __getitem__), not an IterableDataset.")
+    if dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
+        raise ValueError(
+            f"The train loader uses a custom batch_sampler ({type(dataloader.batch_sampler).__name__}); DP training "
+            "replaces it by Poisson sampling with q = batch_size / N. Pass batch_size= instead, or set "
+            "poisson_sampling=False (no ε is then reported)."
+        )
+    sampler = dataloader.sampler
+    if type(sampler) not in _ACCEPTED_SAMPLERS:
+        raise ValueError(
+            f"The train loader uses a custom sampler ({type(sampler).__name__}), which would break the Poisson "
+            "sampling the accountant assumes. Remove it (shuffle=True or False are fine: both are replaced), or "
+            "set poisson_sampling=False (no ε is then reported)."
+        )
+
+
+def batch_rows(batch: Any) -> int | None:
+    """Leading dimension of the first tensor in ``batch`` (the number of examples)."""
+    if isinstance(batch, Tensor):
+        return batch.shape[0] if batch.dim() > 0 else None
+    if isinstance(batch, Mapping):
+        items: Sequence[Any] = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return None
+    for item in items:
+        rows = batch_rows(item)
+        if rows is not None:
+            return rows
+    return None

@@ -1,0 +1,100 @@
+"""Clipping groups and per-example clip factors.
+
+A clipping policy partitions the privatized parameters into groups; group ``b`` has
+its own bound ``C_b``. One example then changes the clipped sum by at most the joint
+sensitivity ``Δ = sqrt(Σ_b C_b²)``, so the mechanism adds N(0, (σΔ)²) to the
+concatenated sum (see ``dp_sgd_core.md`` §3.2). Flat clipping is the single-group case.
+
+New policies register with :func:`register_clipping`; later issues add ``per_matrix``
+and optimizer-defined groups through the same registry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+_CLIP_EPS = 1e-6  # Opacus' `clip_and_accumulate` uses the same stabiliser.
+
+
+@dataclass(frozen=True)
+class ClipGroup:
+    """Parameters clipped together under one bound.
+
+    Attributes:
+        name: Human-readable name (module path for ``per_layer``, ``"all"`` for ``flat``).
+        params: The group's parameters.
+        max_norm: The group's bound ``C_b``.
+    """
+
+    name: str
+    params: tuple[nn.Parameter, ...]
+    max_norm: float
+
+
+ClippingPolicy = Callable[[Sequence[tuple[str, nn.Parameter]], float], list[ClipGroup]]
+_CLIPPING: dict[str, ClippingPolicy] = {}
+
+
+def register_clipping(name: str) -> Callable[[ClippingPolicy], ClippingPolicy]:
+    """Register a clipping policy ``(named_params, max_grad_norm) -> groups`` under ``name``.
+
+    A policy must return groups whose joint sensitivity equals ``max_grad_norm``, so
+    that ``max_grad_norm`` keeps its meaning (the noise is σ · max_grad_norm).
+    """
+
+    def decorator(policy: ClippingPolicy) -> ClippingPolicy:
+        _CLIPPING[name] = policy
+        return policy
+
+    return decorator
+
+
+def available_clipping() -> list[str]:
+    """Names accepted by ``clipping=``."""
+    return sorted(_CLIPPING)
+
+
+def make_clip_groups(
+    policy: str, named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float
+) -> list[ClipGroup]:
+    """Build the clipping groups of ``policy`` over ``named_params``."""
+    if policy not in _CLIPPING:
+        raise ValueError(f"Unknown clipping {policy!r}; choose one of {available_clipping()}.")
+    return _CLIPPING[policy](named_params, max_grad_norm)
+
+
+def joint_sensitivity(groups: Sequence[ClipGroup]) -> float:
+    """Δ = sqrt(Σ_b C_b²): the most one example can move the clipped sum."""
+    return math.sqrt(sum(g.max_norm**2 for g in groups))
+
+
+@register_clipping("flat")
+def _flat(named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> list[ClipGroup]:
+    return [ClipGroup("all", tuple(p for _, p in named_params), max_grad_norm)]
+
+
+@register_clipping("per_layer")
+def _per_layer(named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> list[ClipGroup]:
+    """One group per module (weight and bias together), ``C_b = C / sqrt(L)`` so ``Δ = C``."""
+    layers: dict[str, list[nn.Parameter]] = {}
+    for name, p in named_params:
+        layers.setdefault(name.rpartition(".")[0], []).append(p)
+    bound = max_grad_norm / math.sqrt(len(layers)) if layers else max_grad_norm
+    return [ClipGroup(layer or "<root>", tuple(ps), bound) for layer, ps in layers.items()]
+
+
+def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
+    """Per-example factors ``min(1, C / (‖g‖ + 1e-6))``; a non-finite norm gets 0.
+
+    Args:
+        norms: Per-example norms, shape ``[n]``, any float dtype (computed in fp32).
+        max_norm: The bound ``C``.
+    """
+    norms = norms.float()
+    factors = (max_norm / (norms + _CLIP_EPS)).clamp(max=1.0)
+    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))

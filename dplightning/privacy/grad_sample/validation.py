@@ -1,0 +1,32 @@
+"""Checks that a model can be trained with per-example clipping, naming what cannot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+
+def mixing_modules(module: nn.Module) -> list[str]:
+    """Names of modules that mix examples of a batch or store statistics of private data.
+
+    BatchNorm normalises with batch statistics (per-example gradients are undefined)
+    and InstanceNorm with ``track_running_stats`` writes running statistics of the
+    private data into buffers that would be released unprotected.
+    """
+    return [
+        name or type(m).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, _BatchNorm) or (isinstance(m, _InstanceNorm) and m.track_running_stats)
+    ]
+
+
+def modules_without_sampler(module: nn.Module, has_sampler: Callable[[nn.Module], bool]) -> list[str]:
+    """Names (and types) of modules owning trainable parameters that no sampler handles."""
+    return [
+        f"{name or '<root>'} ({type(m).__name__})"
+        for name, m in module.named_modules()
+        if any(p.requires_grad for p in m.parameters(recurse=False)) and not has_sampler(m)
+    ]

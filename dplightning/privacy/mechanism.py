@@ -1,0 +1,150 @@
+"""The subsampled Gaussian mechanism on gradients: clip, sum, noise once, average.
+
+:class:`GradientPrivatizer` owns persistent fp32 buckets laid out in parameter order
+(identical on every rank, independent of the data). Each backward pass adds its
+clipped per-example gradients to them; one release per optimizer step adds
+N(0, (σΔ)²) noise, lets a reducer combine the ranks, divides by the public expected
+batch size and writes the result to ``p.grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from dplightning.privacy.clipping import ClipGroup, clip_factors, joint_sensitivity
+from dplightning.privacy.noise import GaussianNoise
+
+BucketReducer = Callable[[Tensor], None]
+"""Combines one bucket across processes in place (identity on one device)."""
+
+
+@dataclass
+class _Slot:
+    param: nn.Parameter
+    bucket: int
+    offset: int
+
+    def view(self, buckets: Sequence[Tensor]) -> Tensor:
+        numel = self.param.numel()
+        return buckets[self.bucket][self.offset : self.offset + numel].view(self.param.shape)
+
+
+@dataclass
+class MicroBatchStats:
+    """What one backward pass contributed, for diagnostics (not private).
+
+    Attributes:
+        norms: Per-example gradient norms per clip group, fp32, shape ``[n, groups]``.
+        nonfinite: Number of examples whose gradient was not finite (they add zero).
+    """
+
+    norms: Tensor
+    nonfinite: int
+
+
+class GradientPrivatizer:
+    """Accumulates clipped per-example gradients and releases their noisy average.
+
+    Args:
+        groups: Clip groups; their parameters, in order, define the bucket layout.
+        bucket_cap_mb: Largest bucket in MiB of fp32 (the unit of noise and all-reduce).
+    """
+
+    def __init__(self, groups: Sequence[ClipGroup], bucket_cap_mb: float = 25.0) -> None:
+        if not groups or not any(g.params for g in groups):
+            raise ValueError("Nothing to privatize: no trainable parameters are in the optimizer.")
+        self.groups = list(groups)
+        self.sensitivity = joint_sensitivity(self.groups)
+        self.params = [p for g in self.groups for p in g.params]
+        self.buckets, self._slots = self._layout(self.params, int(bucket_cap_mb * 2**20 / 4))
+        self._released = False
+
+    @staticmethod
+    def _layout(params: Sequence[nn.Parameter], cap: int) -> tuple[list[Tensor], dict[nn.Parameter, _Slot]]:
+        sizes: list[int] = []
+        devices: list[torch.device] = []
+        slots: dict[nn.Parameter, _Slot] = {}
+        for p in params:
+            if not sizes or sizes[-1] + p.numel() > cap or devices[-1] != p.device:
+                sizes.append(0)
+                devices.append(p.device)
+            slots[p] = _Slot(p, len(sizes) - 1, sizes[-1])
+            sizes[-1] += p.numel()
+        buckets = [torch.zeros(n, dtype=torch.float32, device=d) for n, d in zip(sizes, devices)]
+        return buckets, slots
+
+    def accumulate(self, grad_samples: dict[nn.Parameter, Tensor], scale: float = 1.0) -> MicroBatchStats:
+        """Clip the per-example gradients of one backward pass and add them to the buckets.
+
+        Args:
+            grad_samples: ``[n, *p.shape]`` per-example gradients; missing parameters count as zero.
+            scale: Factor applied to every per-example gradient before clipping (e.g. the
+                accumulation factor Lightning divided the loss by).
+        """
+        if self._released:
+            for b in self.buckets:
+                b.zero_()
+            self._released = False
+        rows = {gs.shape[0] for gs in grad_samples.values()}
+        if len(rows) > 1:
+            raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(rows)}.")
+        n = rows.pop() if rows else 0
+        device = self.buckets[0].device
+        norms = torch.stack([self._group_norm(g, grad_samples, n, device) for g in self.groups], dim=1) * abs(scale)
+        finite = torch.isfinite(norms).all(dim=1)
+        nonfinite = int(n - finite.sum().item())
+        factors = torch.stack([clip_factors(norms[:, j], g.max_norm) for j, g in enumerate(self.groups)], dim=1)
+        factors = factors * finite.unsqueeze(1) * scale
+        for j, group in enumerate(self.groups):
+            for p in group.params:
+                if p in grad_samples:
+                    self._add_clipped(p, grad_samples[p], factors[:, j], finite if nonfinite else None)
+        return MicroBatchStats(norms=norms, nonfinite=nonfinite)
+
+    @staticmethod
+    def _group_norm(group: ClipGroup, grad_samples: dict[nn.Parameter, Tensor], n: int, device: torch.device) -> Tensor:
+        sq = torch.zeros(n, dtype=torch.float32, device=device)
+        for p in group.params:
+            if p in grad_samples:
+                sq += grad_samples[p].reshape(n, -1).float().pow(2).sum(dim=1)
+        return sq.sqrt()
+
+    def _add_clipped(self, p: nn.Parameter, gs: Tensor, factors: Tensor, finite: Tensor | None) -> None:
+        flat = gs.reshape(gs.shape[0], -1).float()
+        if finite is not None:  # 0 * inf would be nan: drop non-finite rows outright
+            flat = torch.where(finite.unsqueeze(1), flat, torch.zeros_like(flat))
+        self._slots[p].view(self.buckets).view(-1).add_(factors @ flat)
+
+    def release(
+        self,
+        noise: GaussianNoise | None,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        reduce: BucketReducer | None = None,
+    ) -> None:
+        """Add noise once, reduce across ranks, divide by the expected batch and set ``p.grad``.
+
+        Args:
+            noise: This rank's noise source, or ``None`` if another rank adds the noise.
+            noise_multiplier: σ; the noise std is σΔ with Δ the joint sensitivity.
+            expected_batch_size: The public expected batch size q·N (never the realised one).
+            reduce: In-place cross-rank sum of one bucket; ``None`` on one process.
+        """
+        if self._released:  # a step with no backward pass at all: release pure noise
+            for b in self.buckets:
+                b.zero_()
+        std = noise_multiplier * self.sensitivity
+        for bucket in self.buckets:
+            if noise is not None:
+                bucket.add_(noise.sample(bucket, std))
+            if reduce is not None:
+                reduce(bucket)
+            bucket.div_(expected_batch_size)
+        for p, slot in self._slots.items():
+            view = slot.view(self.buckets)
+            p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
+        self._released = True

@@ -1,0 +1,421 @@
+"""All DP-SGD logic and state shared by the single-device and multi-process strategies.
+
+Per optimizer step (see ``docs/mechanism.md``)::
+
+    training_step -> backward -> on_after_backward (raw, NOT private) -> post_backward   (x k)
+        post_backward: per-example grads (x k), fp32 norms, clip, add to buckets, drop p.grad
+    optimizer_step: closure() -> privatize (noise once, reduce, / qN, p.grad) ->
+        on_before_optimizer_step -> gradient clipping -> optimizer.step -> ledger step
+
+The LightningModule is never wrapped: Opacus' hooks attach to its own submodules, so
+``state_dict`` keys are unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.optim import LBFGS, Optimizer
+from torch.utils.data import DataLoader
+
+from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible, steps_per_epoch
+from dplightning.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier, check_accountant
+from dplightning.privacy.clipping import available_clipping, make_clip_groups
+from dplightning.privacy.grad_sample import available_grad_sample_modes, make_grad_sample_backend
+from dplightning.privacy.grad_sample.backend import GradSampleBackend
+from dplightning.privacy.mechanism import BucketReducer, GradientPrivatizer, MicroBatchStats
+from dplightning.privacy.noise import GaussianNoise
+from dplightning.strategies._progress import _EpsilonProgress
+
+CHECKPOINT_KEY = "dplightning"
+
+
+class _DPMixin:
+    """DP-SGD state and Lightning hooks; mixed in before a Lightning ``Strategy``."""
+
+    # Provided by the Strategy this class is mixed into.
+    lightning_module: pl.LightningModule | None
+    optimizers: list[Optimizer]
+    global_rank: int
+    world_size: int
+    root_device: torch.device
+
+    def _dp_init(
+        self,
+        noise_multiplier: float | None,
+        target_epsilon: float | None,
+        max_grad_norm: float,
+        delta: float | None,
+        accountant: str,
+        clipping: str,
+        poisson_sampling: bool,
+        secure_mode: bool,
+        loss_reduction: str,
+        grad_sample_mode: str,
+        bucket_cap_mb: float,
+        seed: int | None,
+    ) -> None:
+        _check_noise_arguments(noise_multiplier, target_epsilon, poisson_sampling)
+        if not max_grad_norm > 0 or not math.isfinite(max_grad_norm):
+            raise ValueError(f"max_grad_norm (the clipping bound C) must be finite and > 0, got {max_grad_norm}.")
+        if delta is not None and not 0 < delta < 1:
+            raise ValueError(f"delta must lie in (0, 1), got {delta}.")
+        if clipping not in available_clipping():
+            raise ValueError(f"Unknown clipping {clipping!r}; choose one of {available_clipping()}.")
+        if grad_sample_mode not in available_grad_sample_modes():
+            raise ValueError(f"Unknown grad_sample_mode {grad_sample_mode!r}; choose one of {available_grad_sample_modes()}.")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
+        self.target_epsilon = target_epsilon
+        self.max_grad_norm = float(max_grad_norm)
+        self.accountant = check_accountant(accountant)
+        self.clipping = clipping
+        self.poisson_sampling = poisson_sampling
+        self.secure_mode = secure_mode
+        self.loss_reduction = loss_reduction
+        self.grad_sample_mode = grad_sample_mode
+        self.bucket_cap_mb = bucket_cap_mb
+        self.seed = seed
+        self._noise_multiplier = noise_multiplier
+        self._delta = delta
+        self._sample_rate: float | None = None
+        self._num_samples: int | None = None
+        self._expected_batch_size: float | None = None
+        self.ledger = PrivacyLedger(accountant)
+        self._backend: GradSampleBackend | None = None
+        self._privatizer: GradientPrivatizer | None = None
+        self._noise: GaussianNoise | None = None
+        self._resume_state: dict[str, Any] | None = None
+        self._batch_rows: int | None = None
+        self._step_stats: list[MicroBatchStats] = []
+        self.last_step_stats: list[MicroBatchStats] = []
+        """Per-backward statistics of the last optimizer step (raw norms: NOT private)."""
+        self.nonfinite_examples = 0
+        """Examples whose per-example gradient was not finite (they contributed zero)."""
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """σ; ``None`` until calibrated from ``target_epsilon`` (at the start of fit)."""
+        return self._noise_multiplier
+
+    @property
+    def sample_rate(self) -> float | None:
+        """Poisson sampling rate q (global), known once the train loader is set up."""
+        return self._sample_rate
+
+    @property
+    def expected_batch_size(self) -> float | None:
+        """Public expected batch size q·N that the noisy sum is divided by."""
+        return self._expected_batch_size
+
+    @property
+    def delta(self) -> float | None:
+        """δ: as given, or 1/(10·N) once the training set size N is known."""
+        if self._delta is None and self._num_samples:
+            return 1.0 / (10 * self._num_samples)
+        return self._delta
+
+    @property
+    def steps(self) -> int:
+        """Noisy optimizer steps taken (and accounted), including resumed ones."""
+        return self.ledger.steps
+
+    @property
+    def noise_std(self) -> float:
+        """Std of the noise added to the clipped sum: σ·Δ (Δ = joint sensitivity, C for flat)."""
+        sensitivity = self._privatizer.sensitivity if self._privatizer else self.max_grad_norm
+        return (self._noise_multiplier or 0.0) * sensitivity
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """Exact ε spent so far at ``delta`` (default: the strategy's δ).
+
+        Returns ``inf`` when ``poisson_sampling=False``: the accountant's guarantee
+        assumes Poisson sampling.
+        """
+        if not self.poisson_sampling:
+            return math.inf
+        delta = delta if delta is not None else self.delta
+        if delta is None:
+            raise RuntimeError("δ is unknown until the training set size is known; pass delta explicitly.")
+        return self.ledger.get_epsilon(delta)
+
+    def epsilon_bound(self, delta: float | None = None) -> float:
+        """Cheap upper bound on ε for progress bars (see :meth:`PrivacyLedger.epsilon_bound`)."""
+        if not self.poisson_sampling:
+            return math.inf
+        delta = delta if delta is not None else self.delta
+        return self.ledger.epsilon_bound(delta) if delta is not None else math.nan
+
+    def dp_state_dict(self) -> dict[str, Any]:
+        """Public privacy state for checkpoints (never any seed or generator state)."""
+        return {
+            "ledger": self.ledger.state_dict(),
+            "noise_multiplier": self._noise_multiplier,
+            "target_epsilon": self.target_epsilon,
+            "max_grad_norm": self.max_grad_norm,
+            "sample_rate": self._sample_rate,
+            "num_samples": self._num_samples,
+            "delta": self.delta,
+            "clipping": self.clipping,
+            "poisson_sampling": self.poisson_sampling,
+        }
+
+    # ----------------------------------------------------------------- setup phase
+
+    def _dp_check_trainer(self, trainer: pl.Trainer) -> None:
+        scaler = getattr(self.precision_plugin, "scaler", None)  # type: ignore[attr-defined]
+        if scaler is not None:
+            raise ValueError(
+                "precision='16-mixed' uses a GradScaler, which scales per-example gradients and skips steps on "
+                "overflow (a data-dependent channel). Use precision='bf16-mixed' or '32-true'."
+            )
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise ValueError(
+                "GradientAccumulationScheduler changes the micro-batch split during training; set a constant "
+                "Trainer(accumulate_grad_batches=k) instead (k splits one Poisson batch, it does not change q)."
+            )
+        if trainer.gradient_clip_val:
+            rank_zero_warn(
+                "gradient_clip_val clips the already-private (noisy) gradient: harmless post-processing, but it "
+                f"is not per-example clipping. The per-example bound is max_grad_norm={self.max_grad_norm}."
+            )
+        module = trainer.lightning_module
+        if is_overridden("on_after_backward", module):
+            rank_zero_warn(
+                "on_after_backward sees the raw, non-private gradient; do not log or release anything from it. "
+                "Use on_before_optimizer_step to see the private gradient."
+            )
+
+    def _dp_setup(self, trainer: pl.Trainer) -> None:
+        """Attach per-example hooks, lay out buckets and restore the ledger (fit only)."""
+        self._trainer = trainer
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        optimizer = self._single_optimizer()
+        named = self._privatized_parameters(optimizer)
+        module = self.lightning_module
+        assert module is not None
+        self._backend = make_grad_sample_backend(self.grad_sample_mode, module, self.loss_reduction)
+        groups = make_clip_groups(self.clipping, named, self.max_grad_norm)
+        self._privatizer = GradientPrivatizer(groups, bucket_cap_mb=self.bucket_cap_mb)
+        self._noise = GaussianNoise(self.seed, rank=self.global_rank, secure_mode=self.secure_mode)
+        self._restore_dp_state(trainer)
+        if not any(isinstance(cb, _EpsilonProgress) for cb in trainer.callbacks):
+            trainer.callbacks.append(_EpsilonProgress())
+
+    def _single_optimizer(self) -> Optimizer:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"DP training supports exactly one optimizer, got {len(self.optimizers)}. Put all parameter "
+                "groups into one optimizer (one noisy step must release all of them at once)."
+            )
+        optimizer = self.optimizers[0]
+        if isinstance(optimizer, LBFGS):
+            raise ValueError("LBFGS re-evaluates its closure; each evaluation would need fresh noise. Use SGD/Adam.")
+        return optimizer
+
+    def _privatized_parameters(self, optimizer: Optimizer) -> list[tuple[str, nn.Parameter]]:
+        module = self.lightning_module
+        assert module is not None
+        names = {p: n for n, p in module.named_parameters()}
+        in_optimizer = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        foreign = [p for p in in_optimizer if p not in names]
+        if foreign:
+            raise ValueError(f"The optimizer holds {len(foreign)} trainable tensors that are not parameters of the module.")
+        left_out = sorted(n for p, n in names.items() if p.requires_grad and p not in set(in_optimizer))
+        if left_out:
+            rank_zero_warn(f"Trainable parameters not in the optimizer get no gradient under DP: {left_out[:5]}...")
+        return [(names[p], p) for p in dict.fromkeys(in_optimizer)]
+
+    def _restore_dp_state(self, trainer: pl.Trainer) -> None:
+        state, self._resume_state = self._resume_state, None
+        if state is None:
+            if trainer.ckpt_path is not None:
+                raise ValueError(
+                    f"The checkpoint {trainer.ckpt_path} has no privacy ledger ('{CHECKPOINT_KEY}' entry): it was not "
+                    "written by a DP strategy, so ε cannot continue. To fine-tune from its weights, load them with "
+                    "`model.load_state_dict(torch.load(path)['state_dict'])` and start a new run."
+                )
+            return
+        self.ledger.load_state_dict(state["ledger"])
+        if self.target_epsilon is not None and state.get("noise_multiplier") is not None:
+            self._noise_multiplier = float(state["noise_multiplier"])  # keep the σ the run was calibrated with
+        if self._delta is None and state.get("delta") is not None:
+            self._delta = float(state["delta"])
+        rank_zero_info(f"Resumed privacy ledger: {self.ledger.steps} steps, history {list(self.ledger.history)}.")
+
+    def _dp_teardown(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+        self._backend = None
+        self._privatizer = None
+        self._step_stats = []
+
+    # ------------------------------------------------------------------ data
+
+    def _dp_process_dataloader(self, dataloader: object) -> object:
+        trainer = getattr(self, "_trainer", None)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise TypeError(f"DP training needs a torch DataLoader as train loader, got {type(dataloader).__name__}.")
+        n = len(dataloader.dataset)  # type: ignore[arg-type]
+        k = trainer.accumulate_grad_batches
+        if not self.poisson_sampling:
+            self._set_sampling(n, dataloader.batch_size * self.world_size / n)  # type: ignore[operator]
+            return dataloader
+        check_poisson_compatible(dataloader)
+        q = dataloader.batch_size * self.world_size / n  # type: ignore[operator]
+        self._set_sampling(n, q)
+        loader = PoissonDataLoader.from_dataloader(
+            dataloader,
+            sample_rate=q,
+            micro_batches=k,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            seed=self.seed,
+            secure_mode=self.secure_mode,
+        )
+        if self._noise_multiplier is None:
+            self._calibrate(trainer, loader.batch_sampler.steps_per_epoch)
+        return loader
+
+    def _set_sampling(self, num_samples: int, sample_rate: float) -> None:
+        if not 0 < sample_rate <= 1:
+            raise ValueError(
+                f"Sampling rate q = batch_size x world_size / N = {sample_rate:.4g} must lie in (0, 1]; "
+                f"lower the train loader's batch_size (N = {num_samples})."
+            )
+        self._num_samples, self._sample_rate = num_samples, sample_rate
+        self._expected_batch_size = sample_rate * num_samples
+        if self.delta is not None and self.delta >= 1.0 / num_samples:
+            rank_zero_warn(
+                f"delta = {self.delta:.3g} >= 1/N = {1 / num_samples:.3g}: a mechanism that releases one random "
+                "example satisfies this δ. Use δ << 1/N (default 1/(10N))."
+            )
+
+    def _calibrate(self, trainer: pl.Trainer, per_epoch: int) -> None:
+        assert self.target_epsilon is not None and self._sample_rate is not None
+        total = planned_steps(trainer, per_epoch)
+        rank_zero_info(f"Calibrating σ for ε = {self.target_epsilon} over {total} steps ({self.accountant})...")
+        self._noise_multiplier = calibrate_noise_multiplier(
+            self.target_epsilon, self.delta, self._sample_rate, total, self.accountant  # type: ignore[arg-type]
+        )
+        rank_zero_info(f"Calibrated noise multiplier σ = {self._noise_multiplier:.4f}.")
+
+    # ------------------------------------------------------------------ the step
+
+    def _dp_training_step(self, run: Callable[[], Any], batch: Any) -> Any:
+        self._batch_rows = batch_rows(batch)
+        module = self.lightning_module
+        assert module is not None
+        if self._privatizer is not None and self._batch_rows == 0 and module.automatic_optimization:
+            # An empty Poisson batch: nothing to differentiate, but the step (and its noise) still happens.
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        return run()
+
+    def _dp_post_backward(self) -> None:
+        if self._privatizer is None or self._backend is None:
+            return
+        module = self.lightning_module
+        assert module is not None and self._trainer is not None
+        grads = self._backend.pop(self._privatizer.params)
+        scale = float(self._trainer.accumulate_grad_batches) if module.automatic_optimization else 1.0
+        stats = self._privatizer.accumulate(grads, scale=scale)
+        rows = stats.norms.shape[0]
+        if grads and self._batch_rows is not None and rows != self._batch_rows:
+            raise RuntimeError(
+                f"Per-example gradients have {rows} rows but the batch has {self._batch_rows} examples: is a layer "
+                "fed sequence-first (batch_first=False) input? The privacy unit must be the batch's first dimension."
+            )
+        self.nonfinite_examples += stats.nonfinite
+        self._step_stats.append(stats)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.grad = None  # the raw sum is not private; only the released gradient may reach the optimizer
+
+    def _wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        if self._privatizer is None:
+            return closure
+
+        def private_closure() -> Any:
+            result = closure()
+            self._privatize()
+            return result
+
+        return private_closure
+
+    def _privatize(self, reduce: BucketReducer | None = None, add_noise: bool = True) -> None:
+        assert self._privatizer is not None and self._noise is not None
+        assert self._noise_multiplier is not None and self._expected_batch_size is not None
+        self._noise.start_step(self.ledger.steps)
+        self._privatizer.release(
+            self._noise if add_noise else None, self._noise_multiplier, self._expected_batch_size, reduce
+        )
+        if self.poisson_sampling:
+            self.ledger.step(self._noise_multiplier, self._sample_rate)  # type: ignore[arg-type]
+        self.last_step_stats, self._step_stats = self._step_stats, []
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _dp_on_save(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = self.dp_state_dict()
+
+    def _dp_on_load(self, checkpoint: dict[str, Any]) -> None:
+        self._resume_state = checkpoint.get(CHECKPOINT_KEY)
+
+    def _dp_report(self) -> None:
+        if not self.ledger.steps:
+            return
+        eps = self.get_epsilon()
+        rank_zero_info(
+            f"DP-SGD: (ε = {eps:.4g}, δ = {self.delta:.3g}) after {self.ledger.steps} steps "
+            f"[σ = {self._noise_multiplier:.4g}, q = {self._sample_rate:.4g}, C = {self.max_grad_norm}, "
+            f"clipping = {self.clipping}, accountant = {self.accountant}]"
+        )
+
+
+def _check_noise_arguments(noise_multiplier: float | None, target_epsilon: float | None, poisson: bool) -> None:
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError(
+            "Pass exactly one of noise_multiplier (σ) or target_epsilon (the ε to reach at the end of training), "
+            f"got noise_multiplier={noise_multiplier}, target_epsilon={target_epsilon}."
+        )
+    if noise_multiplier is not None:
+        if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}.")
+        if noise_multiplier == 0:
+            warnings.warn("noise_multiplier=0 adds no noise: ε is infinite (use it only for debugging).", stacklevel=3)
+    if target_epsilon is not None:
+        if not target_epsilon > 0 or not math.isfinite(target_epsilon):
+            raise ValueError(f"target_epsilon must be finite and > 0, got {target_epsilon}.")
+        if not poisson:
+            raise ValueError("target_epsilon needs poisson_sampling=True: the accountant assumes Poisson sampling.")
+
+
+def planned_steps(trainer: pl.Trainer, per_epoch: int) -> int:
+    """Optimizer steps the run will take: ``min(max_steps, max_epochs x steps per epoch)``."""
+    limit = trainer.limit_train_batches
+    k = trainer.accumulate_grad_batches
+    if isinstance(limit, int):
+        per_epoch = min(per_epoch, max(limit // k, 1))
+    elif limit is not None:
+        per_epoch = max(int(per_epoch * limit), 1)
+    epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else math.inf
+    max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else math.inf
+    total = min(max_steps, epochs * per_epoch)
+    if not math.isfinite(total):
+        raise ValueError("target_epsilon needs a finite training length: set max_epochs or max_steps.")
+    return int(total)

@@ -1,0 +1,156 @@
+"""``DPStrategy``: DP-SGD on one device, registered as ``"dp"``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from dplightning.strategies._dp import _DPMixin
+
+
+class DPStrategy(_DPMixin, SingleDeviceStrategy):
+    """Differentially private training (DP-SGD) of any LightningModule on one device.
+
+    Per optimizer step: Poisson-sampled batch, per-example gradients (Opacus hooks on
+    the module's own layers), clipping in fp32, one draw of Gaussian noise
+    N(0, (σΔ)²) on the clipped sum, division by the public expected batch size q·N,
+    then the user's own optimizer. The accountant's ledger is saved in checkpoints.
+
+    Privacy contract: the privacy unit is one row of the train loader's batches; ε is
+    reported for (δ, the Poisson rate q = batch_size / N, σ, the steps taken). Metrics
+    logged from ``training_step`` and gradients seen in ``on_after_backward`` are NOT
+    private; the gradient seen from ``on_before_optimizer_step`` on is.
+
+    Args:
+        noise_multiplier: σ, the noise std in units of the sensitivity. Exactly one of
+            ``noise_multiplier`` and ``target_epsilon``; 0 disables noise (ε = inf).
+        target_epsilon: ε to reach at the end of training; σ is calibrated from
+            ``max_epochs``/``max_steps``, q and δ when fit starts.
+        max_grad_norm: Clipping bound C (the joint sensitivity for group clipping).
+        delta: δ; default 1/(10·N) with N the training set size.
+        accountant: ``"prv"`` (default), ``"rdp"`` or ``"gdp"`` (Opacus' accountants).
+        clipping: ``"flat"`` (one norm over all parameters) or ``"per_layer"``.
+        poisson_sampling: Replace the train loader's sampler by Poisson sampling with
+            q = batch_size / N. ``False`` keeps the loader and reports ε = inf.
+        secure_mode: Draw noise and sampling decisions from the OS CSPRNG (slow).
+        loss_reduction: ``"mean"`` if ``training_step`` averages the loss over the
+            batch (the usual case), ``"sum"`` if it sums it.
+        grad_sample_mode: ``"hooks"`` (registered per-layer samplers only) or
+            ``"functorch"`` (``torch.func`` for layers without a sampler).
+        bucket_cap_mb: Size of the fp32 buckets the clipped sum is kept in.
+        seed: FOR TESTS ONLY. Noise and sampling seeds otherwise come from OS entropy;
+            a seed lets whoever knows it subtract the noise.
+        device: The device; by default the Trainer's (``accelerator``/``devices``).
+    """
+
+    strategy_name = "dp"
+
+    def __init__(
+        self,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        max_grad_norm: float = 1.0,
+        delta: float | None = None,
+        accountant: str = "prv",
+        clipping: str = "flat",
+        poisson_sampling: bool = True,
+        secure_mode: bool = False,
+        loss_reduction: str = "mean",
+        grad_sample_mode: str = "hooks",
+        bucket_cap_mb: float = 25.0,
+        seed: int | None = None,
+        device: str | torch.device | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(device=device or "cpu", checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self._explicit_device = device is not None
+        # Lightning's accelerator connector fills `parallel_devices` from `devices=`.
+        self.parallel_devices: list[torch.device] | None = None
+        self._trainer: pl.Trainer | None = None
+        self._dp_init(
+            noise_multiplier, target_epsilon, max_grad_norm, delta, accountant, clipping,
+            poisson_sampling, secure_mode, loss_reduction, grad_sample_mode, bucket_cap_mb, seed,
+        )  # fmt: skip
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self._explicit_device and self.parallel_devices:
+            if len(self.parallel_devices) > 1:
+                raise ValueError(
+                    f"strategy='dp' runs on one device, got devices={len(self.parallel_devices)}; "
+                    "use strategy='dp_ddp' for several."
+                )
+            return self.parallel_devices[0]
+        return self._root_device
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._dp_check_trainer(trainer)
+        super().setup(trainer)
+        self._dp_setup(trainer)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self._dp_process_dataloader(super().process_dataloader(dataloader))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        batch = args[0] if args else kwargs.get("batch")
+        return self._dp_training_step(lambda: super(DPStrategy, self).training_step(*args, **kwargs), batch)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        self._dp_post_backward()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        return super().optimizer_step(optimizer, self._wrap_closure(closure), model, **kwargs)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        self._dp_on_save(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._dp_on_load(checkpoint)
+        return checkpoint
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._dp_report()
+
+    @override
+    def teardown(self) -> None:
+        self._dp_teardown()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        # No super(): SingleDeviceStrategy would re-register its own name.
+        strategy_registry.register(cls.strategy_name, cls, description="DP-SGD on one device (dplightning)")
+
+
