@@ -150,7 +150,10 @@ class DPStrategy(_DPMixin, SingleDeviceStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        # No super(): SingleDeviceStrategy would re-register its own name.
-        strategy_registry.register(cls.strategy_name, cls, description="DP-SGD on one device (dplightning)")
+        # No super(): SingleDeviceStrategy would re-register its own name. The bare name gets
+        # σ = 1 so that `Trainer(strategy="dp")` runs; ε is reported either way.
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DP-SGD on one device, σ = 1, C = 1 (dplightning)", noise_multiplier=1.0
+        )
 
 

@@ -1,0 +1,124 @@
+"""Per-example gradients from the hook backends equal a torch.func reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from dplightning.privacy.grad_sample import available_grad_sample_modes, make_grad_sample_backend
+from tests.reference import per_example_grads
+
+
+class Pool(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+
+class TokenMean(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
+class Scale(nn.Module):
+    """A layer with a direct parameter and no registered sampler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def _cases() -> dict[str, tuple[nn.Module, torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(0)
+    n = 7
+    return {
+        "linear": (nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)), torch.randn(n, 5, generator=g), 3),
+        "conv2d": (nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), Pool(), nn.Linear(3 * 4 * 4, 3)), torch.randn(n, 2, 6, 6, generator=g), 3),
+        "embedding": (nn.Sequential(nn.Embedding(11, 4), TokenMean(), nn.Linear(4, 3)), torch.randint(0, 11, (n, 5), generator=g), 3),
+        "layernorm": (nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, 3)), torch.randn(n, 5, generator=g), 3),
+        "groupnorm": (nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), Pool(), nn.Linear(4 * 16, 3)), torch.randn(n, 2, 6, 6, generator=g), 3),
+        "hf_conv1d": (nn.Sequential(Conv1D(6, 5), nn.Tanh(), TokenMean(), Conv1D(3, 6)), torch.randn(n, 4, 5, generator=g), 3),
+    }
+
+
+def _backend_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str = "hooks", reduction: str = "mean"):
+    backend = make_grad_sample_backend(mode, model, loss_reduction=reduction)
+    try:
+        F.cross_entropy(model(x), y, reduction=reduction).backward()
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = backend.pop(params)
+    finally:
+        backend.close()
+    names = {p: n for n, p in model.named_parameters()}
+    return {names[p]: g for p, g in grads.items()}
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.parametrize("batch", [1, 7])
+def test_hooks_match_torch_func(case: str, batch: int) -> None:
+    model, x, classes = _cases()[case]
+    x = x[:batch]
+    y = torch.arange(batch) % classes
+    expected = per_example_grads(model, F.cross_entropy, x, y)
+    got = _backend_grads(model, x, y)
+    assert set(got) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=f"{case}: {name}")
+
+
+def test_sum_reduction_gives_the_same_per_example_gradients() -> None:
+    model, x, _ = _cases()["linear"]
+    y = torch.arange(len(x)) % 3
+    mean = _backend_grads(model, x, y, reduction="mean")
+    summed = _backend_grads(model, x, y, reduction="sum")
+    for name in mean:
+        torch.testing.assert_close(mean[name], summed[name])
+
+
+def test_empty_batch_gives_zero_rows() -> None:
+    model, x, _ = _cases()["conv2d"]
+    got = _backend_grads(model, x[:0], torch.zeros(0, dtype=torch.long), reduction="sum")
+    assert all(g.shape[0] == 0 for g in got.values())
+
+
+def test_frozen_parameters_get_no_grad_sample() -> None:
+    model, x, _ = _cases()["linear"]
+    model[0].weight.requires_grad_(False)
+    got = _backend_grads(model, x, torch.arange(len(x)) % 3)
+    assert "0.weight" not in got and "0.bias" in got
+
+
+def test_unsupported_module_is_named_and_functorch_handles_it() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), Scale(), nn.Linear(3, 2))
+    with pytest.raises(ValueError, match=r"1 \(Scale\)"):
+        make_grad_sample_backend("hooks", model, "mean")
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+    expected = per_example_grads(model, F.cross_entropy, x, y)
+    got = _backend_grads(model, x, y, mode="functorch")
+    torch.testing.assert_close(got["1.w"], expected["1.w"])
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d(3), nn.InstanceNorm1d(3, track_running_stats=True)])
+def test_mixing_modules_are_rejected_with_their_names(norm: nn.Module) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), norm, nn.Linear(3, 2))
+    with pytest.raises(ValueError, match=r"\['1'\].*GroupNorm"):
+        make_grad_sample_backend("hooks", model, "mean")
+
+
+def test_close_removes_every_hook_and_attribute() -> None:
+    model, x, _ = _cases()["hf_conv1d"]
+    _backend_grads(model, x, torch.arange(len(x)) % 3)
+    for m in model.modules():
+        assert not m._forward_hooks and not m._backward_hooks
+        assert not hasattr(m, "activations") and not hasattr(m, "autograd_grad_sample_hooks")
+    for p in model.parameters():
+        assert not hasattr(p, "grad_sample") and not hasattr(p, "_forward_counter")
+
+
+def test_registry_lists_both_modes() -> None:
+    assert {"hooks", "functorch"} <= set(available_grad_sample_modes())

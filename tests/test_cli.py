@@ -1,0 +1,40 @@
+"""The dplightning command: shipped configs parse, and the quickstart runs end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import dplightning
+from dplightning.cli import build_cli
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").rglob("*.yaml"))
+QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_config_parses(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
+    assert "class_path" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_quickstart_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["fit", "--config", str(QUICKSTART)])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, dplightning.DPStrategy)
+    assert strategy.steps == 40 * 5  # 40 epochs of ceil(1257 / 256) Poisson steps
+    assert strategy.get_epsilon() <= 3.0
+    assert cli.trainer.callback_metrics["test_acc"] > 0.5  # chance is 0.1
+
+
+def test_strategy_by_registered_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(
+        ["fit", "--config", str(QUICKSTART), "--trainer.strategy", "dp", "--trainer.max_epochs", "1", "--test_after_fit", "false"]
+    )
+    assert isinstance(cli.trainer.strategy, dplightning.DPStrategy) and cli.trainer.strategy.steps == 5
