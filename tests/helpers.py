@@ -86,3 +86,63 @@ def dp(**kwargs: Any) -> dplightning.DPStrategy:
 
 def params_of(module: nn.Module) -> dict[str, Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+class DumpRankState(pl.Callback):
+    """Writes what each rank ended with to ``folder/rank{r}.pt`` (spawned ranks cannot return it).
+
+    Also counts ``torch.distributed.all_reduce`` calls made while training.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.all_reduce_calls = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import torch.distributed as dist
+
+        original = dist.all_reduce
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.all_reduce_calls += 1
+            return original(*args, **kwargs)
+
+        dist.all_reduce = counting
+        self._restore = lambda: setattr(dist, "all_reduce", original)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+        s = trainer.strategy
+        state = {
+            "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+            "batches": getattr(pl_module, "batches", []),
+            "steps": s.steps,
+            "history": s.ledger.history,
+            "epsilon": s.get_epsilon(),
+            "sample_rate": s.sample_rate,
+            "buckets": len(s._privatizer.buckets) if s._privatizer else 0,
+            "all_reduce_calls": self.all_reduce_calls,
+        }
+        torch.save(state, f"{self.folder}/rank{trainer.global_rank}.pt")
+
+
+def run_ddp(module: pl.LightningModule, data: DataLoader, folder: str, world: int = 2, ckpt_path: Any = None,
+            save_to: str | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+    """Fit on ``world`` spawned CPU/gloo ranks; return every rank's :class:`DumpRankState` record."""
+    strategy_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _DP_ARGS}
+    strategy_kwargs.setdefault("noise_multiplier", 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        strategy = dplightning.DPDDPStrategy(start_method="spawn", **strategy_kwargs)
+    callbacks = [DumpRankState(folder), *kwargs.pop("callbacks", [])]
+    trainer = make_trainer(strategy, devices=world, callbacks=callbacks, **kwargs)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return [torch.load(f"{folder}/rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+_DP_ARGS = {
+    "noise_multiplier", "target_epsilon", "max_grad_norm", "delta", "accountant", "clipping", "seed",
+    "noise_placement", "bucket_cap_mb", "poisson_sampling",
+}

@@ -27,7 +27,7 @@ def test_quickstart_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     cli = build_cli(["fit", "--config", str(QUICKSTART)])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, dplightning.DPStrategy)
-    assert strategy.steps == 40 * 5  # 40 epochs of ceil(1257 / 256) Poisson steps
+    assert strategy.steps == 40 * 5  # 40 epochs of ceil(1258 / 256) Poisson steps
     assert strategy.get_epsilon() <= 3.0
     assert cli.trainer.callback_metrics["test_acc"] > 0.5  # chance is 0.1
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -18,8 +19,11 @@ from torch import Tensor, nn
 from dplightning.privacy.clipping import ClipGroup, clip_factors, joint_sensitivity
 from dplightning.privacy.noise import GaussianNoise
 
-BucketReducer = Callable[[Tensor], None]
-"""Combines one bucket across processes in place (identity on one device)."""
+if TYPE_CHECKING:
+    from torch.distributed import Work
+
+BucketReducer = Callable[[Tensor], "Work | None"]
+"""Starts the in-place cross-rank sum of one bucket; may return an async handle to wait on."""
 
 
 @dataclass
@@ -122,27 +126,33 @@ class GradientPrivatizer:
     def release(
         self,
         noise: GaussianNoise | None,
-        noise_multiplier: float,
+        noise_std: float,
         expected_batch_size: float,
         reduce: BucketReducer | None = None,
     ) -> None:
-        """Add noise once, reduce across ranks, divide by the expected batch and set ``p.grad``.
+        """Add this rank's noise, sum across ranks, divide by the expected batch and set ``p.grad``.
 
         Args:
-            noise: This rank's noise source, or ``None`` if another rank adds the noise.
-            noise_multiplier: σ; the noise std is σΔ with Δ the joint sensitivity.
+            noise: This rank's noise source (unused when ``noise_std`` is 0).
+            noise_std: Std of the noise this rank adds: σΔ on one process (Δ =
+                :attr:`sensitivity`); the ranks' shares must sum to variance (σΔ)².
             expected_batch_size: The public expected batch size q·N (never the realised one).
-            reduce: In-place cross-rank sum of one bucket; ``None`` on one process.
+            reduce: Starts the in-place cross-rank sum of one bucket; ``None`` on one process.
+                Bucket ``b``'s reduction overlaps the noise of bucket ``b + 1``.
         """
         if self._released:  # a step with no backward pass at all: release pure noise
             for b in self.buckets:
                 b.zero_()
-        std = noise_multiplier * self.sensitivity
+        pending = []
         for bucket in self.buckets:
-            if noise is not None:
-                bucket.add_(noise.sample(bucket, std))
+            if noise is not None and noise_std > 0:
+                bucket.add_(noise.sample(bucket, noise_std))
             if reduce is not None:
-                reduce(bucket)
+                pending.append(reduce(bucket))
+        for work in pending:
+            if work is not None:
+                work.wait()
+        for bucket in self.buckets:
             bucket.div_(expected_batch_size)
         for p, slot in self._slots.items():
             view = slot.view(self.buckets)

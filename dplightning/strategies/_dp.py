@@ -20,15 +20,18 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
-from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible, steps_per_epoch
+from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible
 from dplightning.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier, check_accountant
 from dplightning.privacy.clipping import available_clipping, make_clip_groups
 from dplightning.privacy.grad_sample import available_grad_sample_modes, make_grad_sample_backend
@@ -38,6 +41,10 @@ from dplightning.privacy.noise import GaussianNoise
 from dplightning.strategies._progress import _EpsilonProgress
 
 CHECKPOINT_KEY = "dplightning"
+NOISE_PLACEMENTS = {
+    "rank0": "rank 0 adds N(0, (σΔ)²); the other ranks add none",
+    "split": "every rank adds N(0, (σΔ)²/W) from its own generator; the variances sum to (σΔ)²",
+}
 
 
 class _DPMixin:
@@ -64,6 +71,7 @@ class _DPMixin:
         grad_sample_mode: str,
         bucket_cap_mb: float,
         seed: int | None,
+        noise_placement: str = "rank0",
     ) -> None:
         _check_noise_arguments(noise_multiplier, target_epsilon, poisson_sampling)
         if not max_grad_norm > 0 or not math.isfinite(max_grad_norm):
@@ -76,6 +84,10 @@ class _DPMixin:
             raise ValueError(f"Unknown grad_sample_mode {grad_sample_mode!r}; choose one of {available_grad_sample_modes()}.")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
+        if noise_placement not in NOISE_PLACEMENTS:
+            raise ValueError(f"Unknown noise_placement {noise_placement!r}; choose one of {sorted(NOISE_PLACEMENTS)}.")
+        self.noise_placement = noise_placement
+        self._trainer: pl.Trainer | None = None
         self.target_epsilon = target_epsilon
         self.max_grad_norm = float(max_grad_norm)
         self.accountant = check_accountant(accountant)
@@ -172,7 +184,62 @@ class _DPMixin:
             "poisson_sampling": self.poisson_sampling,
         }
 
-    # ----------------------------------------------------------------- setup phase
+    # ------------------------------------------------------------------ Lightning hooks
+    # The mixin comes first in the MRO, so these wrap the Strategy's own hooks.
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._dp_check_trainer(trainer)
+        super().setup(trainer)  # type: ignore[misc]
+        self._dp_setup(trainer)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self._dp_process_dataloader(super().process_dataloader(dataloader))  # type: ignore[misc]
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        batch = args[0] if args else kwargs.get("batch")
+        parent = super()
+        return self._dp_training_step(lambda: parent.training_step(*args, **kwargs), batch)  # type: ignore[misc]
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)  # type: ignore[misc]
+        self._dp_post_backward()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        return super().optimizer_step(optimizer, self._wrap_closure(closure), model, **kwargs)  # type: ignore[misc]
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        self._dp_on_save(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        self._dp_on_load(checkpoint)
+        return checkpoint
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()  # type: ignore[misc]
+        self._dp_report()
+
+    @override
+    def teardown(self) -> None:
+        self._dp_teardown()
+        super().teardown()  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ setup phase
 
     def _dp_check_trainer(self, trainer: pl.Trainer) -> None:
         scaler = getattr(self.precision_plugin, "scaler", None)  # type: ignore[attr-defined]
@@ -357,13 +424,23 @@ class _DPMixin:
 
         return private_closure
 
-    def _privatize(self, reduce: BucketReducer | None = None, add_noise: bool = True) -> None:
+    def _bucket_reducer(self) -> BucketReducer | None:
+        """Cross-rank sum of one bucket; ``None`` on one process."""
+        return None
+
+    def _local_noise_std(self) -> float:
+        """Std of the noise this rank adds, so that the ranks' noise sums to N(0, (σΔ)²) exactly once."""
+        assert self._privatizer is not None and self._noise_multiplier is not None
+        std = self._noise_multiplier * self._privatizer.sensitivity
+        if self.noise_placement == "split":
+            return std / math.sqrt(self.world_size)
+        return std if self.global_rank == 0 else 0.0
+
+    def _privatize(self) -> None:
         assert self._privatizer is not None and self._noise is not None
         assert self._noise_multiplier is not None and self._expected_batch_size is not None
         self._noise.start_step(self.ledger.steps)
-        self._privatizer.release(
-            self._noise if add_noise else None, self._noise_multiplier, self._expected_batch_size, reduce
-        )
+        self._privatizer.release(self._noise, self._local_noise_std(), self._expected_batch_size, self._bucket_reducer())
         if self.poisson_sampling:
             self.ledger.step(self._noise_multiplier, self._sample_rate)  # type: ignore[arg-type]
         self.last_step_stats, self._step_stats = self._step_stats, []

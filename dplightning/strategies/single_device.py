@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch import Tensor
-from torch.optim import Optimizer
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from dplightning.strategies._dp import _DPMixin
@@ -78,7 +72,6 @@ class DPStrategy(_DPMixin, SingleDeviceStrategy):
         self._explicit_device = device is not None
         # Lightning's accelerator connector fills `parallel_devices` from `devices=`.
         self.parallel_devices: list[torch.device] | None = None
-        self._trainer: pl.Trainer | None = None
         self._dp_init(
             noise_multiplier, target_epsilon, max_grad_norm, delta, accountant, clipping,
             poisson_sampling, secure_mode, loss_reduction, grad_sample_mode, bucket_cap_mb, seed,
@@ -95,57 +88,6 @@ class DPStrategy(_DPMixin, SingleDeviceStrategy):
                 )
             return self.parallel_devices[0]
         return self._root_device
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        self._dp_check_trainer(trainer)
-        super().setup(trainer)
-        self._dp_setup(trainer)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        return self._dp_process_dataloader(super().process_dataloader(dataloader))
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        batch = args[0] if args else kwargs.get("batch")
-        return self._dp_training_step(lambda: super(DPStrategy, self).training_step(*args, **kwargs), batch)
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        super().post_backward(closure_loss)
-        self._dp_post_backward()
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        return super().optimizer_step(optimizer, self._wrap_closure(closure), model, **kwargs)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        self._dp_on_save(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._dp_on_load(checkpoint)
-        return checkpoint
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self._dp_report()
-
-    @override
-    def teardown(self) -> None:
-        self._dp_teardown()
-        super().teardown()
 
     @classmethod
     @override

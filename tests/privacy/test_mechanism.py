@@ -35,7 +35,7 @@ def test_zero_noise_release_is_the_clipped_mean_over_the_expected_batch(policy: 
     samples, grads = _samples(net, x, y)
     priv.accumulate({p: g[:6] for p, g in samples.items()})
     priv.accumulate({p: g[6:] for p, g in samples.items()})
-    priv.release(GaussianNoise(seed=0), noise_multiplier=0.0, expected_batch_size=12.5)
+    priv.release(GaussianNoise(seed=0), noise_std=0.0, expected_batch_size=12.5)
     groups = [["0.weight", "0.bias"], ["2.weight", "2.bias"]] if policy == "per_layer" else None
     expected = clipped_sum(grads, 0.5, groups)
     for n, p in net.named_parameters():
@@ -57,7 +57,7 @@ def test_noise_is_added_once_with_std_sigma_c_over_b() -> None:
     priv = GradientPrivatizer(make_clip_groups("flat", list(net.named_parameters()), 2.0))
     noise = GaussianNoise(seed=1)
     noise.start_step(0)
-    priv.release(noise, noise_multiplier=1.5, expected_batch_size=10.0)
+    priv.release(noise, noise_std=1.5 * priv.sensitivity, expected_batch_size=10.0)
     released = torch.cat([p.grad.flatten() for p in net.parameters()])
     n = released.numel()
     assert abs(released.std().item() / (1.5 * 2.0 / 10.0) - 1) < 5 / math.sqrt(2 * n)

@@ -1,0 +1,133 @@
+"""``DPDDPStrategy``: DP-SGD across processes (GPUs, CPUs with gloo, nodes).
+
+No ``DistributedDataParallel`` wrapper: it would all-reduce the raw, unclipped gradient
+(wasted, and not private). Instead the ranks start from rank 0's weights and, once per
+optimizer step, all-reduce their clipped sums bucket by bucket, with the Gaussian noise
+added exactly once globally. Registered as ``"dp_ddp"`` (subprocess launch, also used
+under ``torchrun`` and SLURM) and ``"dp_ddp_spawn"``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from typing_extensions import override
+
+from dplightning.privacy.mechanism import BucketReducer
+from dplightning.strategies._dp import _DPMixin
+
+
+class DPDDPStrategy(_DPMixin, DDPStrategy):
+    """Differentially private training (DP-SGD) over several processes, one device each.
+
+    The guarantee is that of single-process DP-SGD on the union of the ranks' batches:
+    each rank Poisson-samples its own disjoint shard of the training set at the global
+    rate q = batch_size x world_size / N (``batch_size`` is per process, as in Lightning),
+    clips its examples, and the clipped sums are added across ranks together with one
+    draw of N(0, (σΔ)²). Every rank takes the same number of steps (empty local batches
+    included) and holds the same ledger, so ε is one number for the run.
+
+    Args:
+        noise_multiplier: σ; exactly one of ``noise_multiplier`` and ``target_epsilon``.
+        target_epsilon: ε to reach at the end of training (σ calibrated at fit start).
+        max_grad_norm: Clipping bound C (joint sensitivity for group clipping).
+        delta: δ; default 1/(10·N).
+        accountant: ``"prv"`` (default), ``"rdp"`` or ``"gdp"``.
+        clipping: ``"flat"`` or ``"per_layer"``.
+        poisson_sampling: Poisson sampling of disjoint shards; ``False`` reports ε = inf.
+        secure_mode: Noise and sampling from the OS CSPRNG (slow).
+        loss_reduction: ``"mean"`` or ``"sum"``: how ``training_step`` reduces over rows.
+        grad_sample_mode: ``"hooks"`` or ``"functorch"``.
+        bucket_cap_mb: Size of the fp32 buckets that are noised and all-reduced.
+        seed: FOR TESTS ONLY (expanded per seed, rank and step); default OS entropy.
+        noise_placement: ``"rank0"`` (default): rank 0 adds all the noise, so a test can
+            regenerate it exactly; ``"split"``: each rank adds N(0, (σΔ)²/W) from its own
+            generator, which balances the work of drawing noise for large models.
+        accelerator: Lightning's argument.
+        parallel_devices: Lightning's argument.
+        cluster_environment: Lightning's argument.
+        checkpoint_io: Lightning's argument.
+        precision_plugin: Lightning's argument.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; default from the device.
+        timeout: Timeout of collective operations.
+        start_method: ``"popen"`` (the script is re-run per rank) or ``"spawn"``.
+    """
+
+    strategy_name = "dp_ddp"
+
+    def __init__(
+        self,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        max_grad_norm: float = 1.0,
+        delta: float | None = None,
+        accountant: str = "prv",
+        clipping: str = "flat",
+        poisson_sampling: bool = True,
+        secure_mode: bool = False,
+        loss_reduction: str = "mean",
+        grad_sample_mode: str = "hooks",
+        bucket_cap_mb: float = 25.0,
+        seed: int | None = None,
+        noise_placement: str = "rank0",
+        accelerator: Any | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._dp_init(
+            noise_multiplier, target_epsilon, max_grad_norm, delta, accountant, clipping, poisson_sampling,
+            secure_mode, loss_reduction, grad_sample_mode, bucket_cap_mb, seed, noise_placement,
+        )  # fmt: skip
+
+    @override
+    def configure_ddp(self) -> None:
+        # No DistributedDataParallel: start every rank from rank 0's parameters and buffers.
+        assert self.model is not None
+        _sync_module_states(self.model)
+
+    @override
+    def _bucket_reducer(self) -> BucketReducer | None:
+        if self.world_size == 1:
+            return None
+
+        def all_reduce(bucket: Tensor) -> dist.Work | None:
+            return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, async_op=True)
+
+        return all_reduce
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        # No super(): DDPStrategy would re-register "ddp" and raise.
+        for name, start_method in (("dp_ddp", "popen"), ("dp_ddp_spawn", "spawn")):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"DP-SGD across processes ({start_method}), σ = 1, C = 1 (dplightning)",
+                start_method=start_method,
+                noise_multiplier=1.0,
+            )

@@ -1,0 +1,106 @@
+"""The invariants of design/lightning_dp.md for DPDDPStrategy on 2 spawned CPU/gloo ranks.
+
+Each rank dumps its final state (tests.helpers.DumpRankState); the test process
+compares ranks with each other and with single-process references.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from opacus.accountants import PRVAccountant
+from torch import nn
+
+from dplightning.privacy.noise import GaussianNoise
+from tests.helpers import TinyModule, loader, make_dataset, mlp, params_of, run_ddp
+from tests.reference import clipped_sum, per_example_grads
+
+pytestmark = pytest.mark.timeout(240)
+
+N, BATCH, WORLD = 64, 8, 2  # per-process batch 8: q = 8 * 2 / 64 = 0.25, expected global batch B = 16
+B = BATCH * WORLD
+
+
+def test_ranks_stay_bitwise_identical_and_share_one_epsilon(tmp_path) -> None:
+    torch.manual_seed(0)
+    ranks = run_ddp(TinyModule(lr=0.3), loader(make_dataset(N), BATCH), str(tmp_path),
+                    noise_multiplier=1.0, max_steps=6, accumulate_grad_batches=2)  # fmt: skip
+    first, second = ranks
+    for name in first["params"]:
+        assert torch.equal(first["params"][name], second["params"][name]), name
+    assert first["history"] == second["history"] == ((1.0, B / N, 6),)
+    assert first["epsilon"] == second["epsilon"]
+    assert first["sample_rate"] == B / N
+    reference = PRVAccountant()
+    reference.history = [(1.0, B / N, 6)]
+    assert first["epsilon"] == pytest.approx(reference.get_epsilon(delta=1 / (10 * N)), rel=1e-12)
+    # No redundant reduction of the raw gradient: exactly one all-reduce per bucket per step.
+    assert first["all_reduce_calls"] == second["all_reduce_calls"] == 6 * first["buckets"]
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_zero_noise_step_equals_one_process_on_the_union(tmp_path, clipping: str) -> None:
+    torch.manual_seed(0)
+    module = TinyModule()
+    before = params_of(module)
+    ranks = run_ddp(module, loader(make_dataset(N), BATCH), str(tmp_path), max_grad_norm=0.3, clipping=clipping,
+                    seed=4, bucket_cap_mb=1e-4)  # several buckets  # fmt: skip
+    x = torch.cat([b[0] for r in ranks for b in r["batches"]])
+    y = torch.cat([b[1] for r in ranks for b in r["batches"]])
+    assert all(r["buckets"] > 1 for r in ranks)
+    net = mlp()
+    net.load_state_dict({k.removeprefix("net."): v for k, v in before.items()})
+    groups = [["0.weight", "0.bias"], ["2.weight", "2.bias"]] if clipping == "per_layer" else None
+    expected = clipped_sum(per_example_grads(net, F.cross_entropy, x, y), 0.3, groups)
+    for name, value in ranks[0]["params"].items():
+        torch.testing.assert_close(before[name] - value, expected[name.removeprefix("net.")] / B, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("placement", ["rank0", "split"])
+def test_noise_is_added_exactly_once_globally(tmp_path, placement: str) -> None:
+    sigma, c = 1.3, 0.7
+    torch.manual_seed(0)
+    module = TinyModule(net=nn.Sequential(nn.Linear(6, 400), nn.Linear(400, 3)), zero_loss=True)
+    before = params_of(module)
+    ranks = run_ddp(module, loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=sigma, max_grad_norm=c,
+                    seed=9, noise_placement=placement)  # fmt: skip
+    update = torch.cat([(before[n] - v).flatten() for n, v in ranks[0]["params"].items()])
+    n = update.numel()
+    # Statistical: std σC/B, neither W times the variance (noise on every rank) nor 1/W of it.
+    assert abs(update.std().item() / (sigma * c / B) - 1) < 5 / math.sqrt(2 * n)
+    # Exact: the regenerated stream(s) of step 0.
+    streams = [0] if placement == "rank0" else list(range(WORLD))
+    share = sigma * c if placement == "rank0" else sigma * c / math.sqrt(WORLD)
+    expected = torch.zeros(n)
+    for rank in streams:
+        noise = GaussianNoise(seed=9, rank=rank)
+        noise.start_step(0)
+        expected += noise.sample(torch.zeros(n), share)
+    torch.testing.assert_close(update, expected / B)
+
+
+def test_tiny_rate_with_empty_local_batches_neither_hangs_nor_desyncs(tmp_path) -> None:
+    torch.manual_seed(0)
+    ranks = run_ddp(TinyModule(), loader(make_dataset(400), batch_size=1), str(tmp_path),
+                    noise_multiplier=1.0, max_steps=25, accumulate_grad_batches=2)  # q = 2/400  # fmt: skip
+    assert [r["steps"] for r in ranks] == [25, 25]
+    for name in ranks[0]["params"]:
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name])
+        assert torch.isfinite(ranks[0]["params"][name]).all()
+
+
+def test_resume_on_two_ranks_continues_epsilon_exactly(tmp_path) -> None:
+    ckpt = str(tmp_path / "dp.ckpt")
+    torch.manual_seed(0)
+    run_ddp(TinyModule(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=0.8, max_steps=5, save_to=ckpt)
+    ranks = run_ddp(TinyModule(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=0.8, max_steps=9,
+                    ckpt_path=ckpt)  # fmt: skip
+    reference = PRVAccountant()
+    reference.history = [(0.8, B / N, 9)]
+    expected = reference.get_epsilon(delta=1 / (10 * N))
+    for r in ranks:
+        assert r["steps"] == 9 and r["history"] == ((0.8, B / N, 9),)
+        assert r["epsilon"] == pytest.approx(expected, rel=1e-12)
