@@ -42,11 +42,16 @@ class MicroBatchStats:
     """What one backward pass contributed, for diagnostics (not private).
 
     Attributes:
-        norms: Per-example gradient norms per clip group, fp32, shape ``[n, groups]``.
+        norms: Per-example gradient norms per clip group, fp32, shape ``[n, groups]``
+            (after the accumulation rescale, before clipping).
+        param_sq_norms: Per-example squared norms per privatized parameter, fp32,
+            ``[n, params]`` in :attr:`GradientPrivatizer.params` order; ``norms`` are
+            the square roots of their sums over each group.
         nonfinite: Number of examples whose gradient was not finite (they add zero).
     """
 
     norms: Tensor
+    param_sq_norms: Tensor
     nonfinite: int
 
 
@@ -64,6 +69,10 @@ class GradientPrivatizer:
         self.groups = list(groups)
         self.sensitivity = joint_sensitivity(self.groups)
         self.params = [p for g in self.groups for p in g.params]
+        offsets = [0]
+        for g in self.groups:
+            offsets.append(offsets[-1] + len(g.params))
+        self._group_columns = [torch.arange(a, b) for a, b in zip(offsets, offsets[1:])]
         self.buckets, self._slots = self._layout(self.params, int(bucket_cap_mb * 2**20 / 4))
         self._released = False
 
@@ -97,8 +106,8 @@ class GradientPrivatizer:
         if len(rows) > 1:
             raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(rows)}.")
         n = rows.pop() if rows else 0
-        device = self.buckets[0].device
-        norms = torch.stack([self._group_norm(g, grad_samples, n, device) for g in self.groups], dim=1) * abs(scale)
+        param_sq = self._param_sq_norms(grad_samples, n) * scale**2
+        norms = torch.stack([param_sq[:, idx].sum(dim=1) for idx in self._group_columns], dim=1).sqrt()
         finite = torch.isfinite(norms).all(dim=1)
         nonfinite = int(n - finite.sum().item())
         factors = torch.stack([clip_factors(norms[:, j], g.max_norm) for j, g in enumerate(self.groups)], dim=1)
@@ -107,15 +116,14 @@ class GradientPrivatizer:
             for p in group.params:
                 if p in grad_samples:
                     self._add_clipped(p, grad_samples[p], factors[:, j], finite if nonfinite else None)
-        return MicroBatchStats(norms=norms, nonfinite=nonfinite)
+        return MicroBatchStats(norms=norms, param_sq_norms=param_sq, nonfinite=nonfinite)
 
-    @staticmethod
-    def _group_norm(group: ClipGroup, grad_samples: dict[nn.Parameter, Tensor], n: int, device: torch.device) -> Tensor:
-        sq = torch.zeros(n, dtype=torch.float32, device=device)
-        for p in group.params:
+    def _param_sq_norms(self, grad_samples: dict[nn.Parameter, Tensor], n: int) -> Tensor:
+        sq = torch.zeros(n, len(self.params), dtype=torch.float32, device=self.buckets[0].device)
+        for j, p in enumerate(self.params):
             if p in grad_samples:
-                sq += grad_samples[p].reshape(n, -1).float().pow(2).sum(dim=1)
-        return sq.sqrt()
+                sq[:, j] = grad_samples[p].reshape(n, -1).float().pow(2).sum(dim=1)
+        return sq
 
     def _add_clipped(self, p: nn.Parameter, gs: Tensor, factors: Tensor, finite: Tensor | None) -> None:
         flat = gs.reshape(gs.shape[0], -1).float()

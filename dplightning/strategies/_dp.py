@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible
 from dplightning.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier, check_accountant
-from dplightning.privacy.clipping import available_clipping, make_clip_groups
+from dplightning.privacy.clipping import ClipGroup, available_clipping, make_clip_groups
 from dplightning.privacy.grad_sample import available_grad_sample_modes, make_grad_sample_backend
 from dplightning.privacy.grad_sample.backend import GradSampleBackend
 from dplightning.privacy.mechanism import BucketReducer, GradientPrivatizer, MicroBatchStats
@@ -149,6 +149,19 @@ class _DPMixin:
         """Std of the noise added to the clipped sum: σ·Δ (Δ = joint sensitivity, C for flat)."""
         sensitivity = self._privatizer.sensitivity if self._privatizer else self.max_grad_norm
         return (self._noise_multiplier or 0.0) * sensitivity
+
+    @property
+    def clip_groups(self) -> list[ClipGroup]:
+        """The clipping groups (names, bounds, parameters) in :class:`MicroBatchStats` column order."""
+        return list(self._privatizer.groups) if self._privatizer else []
+
+    @property
+    def privatized_parameter_names(self) -> list[str]:
+        """Names of the privatized parameters in :attr:`MicroBatchStats.param_sq_norms` column order."""
+        if self._privatizer is None or self.lightning_module is None:
+            return []
+        names = {p: n for n, p in self.lightning_module.named_parameters()}
+        return [names[p] for p in self._privatizer.params]
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """Exact ε spent so far at ``delta`` (default: the strategy's δ).

@@ -97,3 +97,13 @@ def test_mismatched_row_counts_are_an_error() -> None:
     params = list(net.parameters())
     with pytest.raises(RuntimeError, match="disagree"):
         priv.accumulate({params[0]: torch.zeros(2, 8, 4), params[1]: torch.zeros(3, 8)})
+
+
+def test_published_norms_are_the_per_example_norms() -> None:
+    net, priv = _setup("per_layer")
+    samples, grads = _samples(net, torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
+    stats = priv.accumulate(samples, scale=2.0)
+    names = [n for n, _ in net.named_parameters()]
+    expected_sq = torch.stack([(2.0 * grads[n]).flatten(1).pow(2).sum(1) for n in names], dim=1)
+    torch.testing.assert_close(stats.param_sq_norms, expected_sq)
+    torch.testing.assert_close(stats.norms, torch.stack([expected_sq[:, :2].sum(1), expected_sq[:, 2:].sum(1)], 1).sqrt())
