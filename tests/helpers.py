@@ -63,6 +63,24 @@ class TinyModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class ManualModule(TinyModule):
+    """TinyModule with manual optimization: one ``manual_backward`` and ``opt.step()`` per batch."""
+
+    def __init__(self, lr: float = 1.0) -> None:
+        super().__init__(lr=lr)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        self.batches.append((x.detach().clone(), y.detach().clone()))
+        loss = self.loss(self(x), y)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
 def loader(dataset: TensorDataset, batch_size: int = 16, **kwargs: Any) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, **kwargs)
 

@@ -9,8 +9,10 @@ import pytest
 import dplightning
 from dplightning.cli import build_cli
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").rglob("*.yaml"))
-QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+CONFIG_DIR = Path(__file__).parents[1] / "configs"
+OVERLAYS = sorted((CONFIG_DIR / "cluster").glob("*.yaml"))  # trainer-only files, combined with a task config
+CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - set(OVERLAYS))
+QUICKSTART = CONFIG_DIR / "quickstart.yaml"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
@@ -19,6 +21,15 @@ def test_every_config_parses(config: Path, capsys: pytest.CaptureFixture[str]) -
         build_cli(["fit", "--config", str(config), "--print_config"])
     assert exit_info.value.code == 0
     assert "class_path" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[c.name for c in OVERLAYS])
+def test_cluster_overlays_combine_with_a_task_config(overlay: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(["fit", "--config", str(QUICKSTART), "--config", str(overlay), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "dplightning.DPDDPStrategy" in printed and "num_nodes: 2" in printed
 
 
 @pytest.mark.slow

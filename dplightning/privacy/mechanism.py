@@ -122,7 +122,8 @@ class GradientPrivatizer:
         sq = torch.zeros(n, len(self.params), dtype=torch.float32, device=self.buckets[0].device)
         for j, p in enumerate(self.params):
             if p in grad_samples:
-                sq[:, j] = grad_samples[p].reshape(n, -1).float().pow(2).sum(dim=1)
+                # vector_norm reduces in fp32 without a squared (or upcast) copy of the grad sample
+                sq[:, j] = torch.linalg.vector_norm(grad_samples[p].reshape(n, -1), dim=1, dtype=torch.float32).square()
         return sq
 
     def _add_clipped(self, p: nn.Parameter, gs: Tensor, factors: Tensor, finite: Tensor | None) -> None:

@@ -41,6 +41,15 @@ def test_shards_are_disjoint_and_their_union_is_the_whole_set() -> None:
     assert len(union) == 103 and len(union.unique()) == 103
 
 
+def test_realised_global_rate_over_ranks_matches_q() -> None:
+    n, q, world = 300, 0.05, 3
+    samplers = [PoissonBatchSampler(n, q, rank=r, world_size=world) for r in range(world)]
+    epochs = 30
+    total = sum(len(batch) for s in samplers for _ in range(epochs) for batch in s)
+    draws = epochs * steps_per_epoch(q)
+    assert abs(total - n * draws * q) < 5 * math.sqrt(n * draws * q * (1 - q))
+
+
 def test_ranks_draw_independent_streams_from_one_seed() -> None:
     a = list(PoissonBatchSampler(200, 0.5, rank=0, world_size=2, seed=1))
     b = list(PoissonBatchSampler(200, 0.5, rank=1, world_size=2, seed=1))

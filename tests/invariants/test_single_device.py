@@ -16,7 +16,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 
 from dplightning.privacy.noise import GaussianNoise
-from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer, mlp, params_of
+from tests.helpers import ManualModule, TinyModule, dp, loader, make_dataset, make_trainer, mlp, params_of
 from tests.reference import clipped_sum, per_example_grads
 
 N, BATCH = 64, 16  # q = 0.25, expected batch B = 16
@@ -163,25 +163,9 @@ def test_bf16_mixed_keeps_norms_and_noise_in_fp32() -> None:
         torch.testing.assert_close(before[name] - p.detach(), expected[name], rtol=0.05, atol=2e-3)
 
 
-class _Manual(TinyModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        opt.zero_grad()
-        x, y = batch
-        self.batches.append((x.clone(), y.clone()))
-        loss = self.loss(self(x), y)
-        self.manual_backward(loss)
-        opt.step()
-        return loss
-
-
 def test_manual_optimization_takes_the_same_private_step() -> None:
     torch.manual_seed(0)
-    module = _Manual()
+    module = ManualModule()
     before = params_of(module)
     trainer = make_trainer(dp(max_grad_norm=0.3, seed=1))
     trainer.fit(module, loader(make_dataset(N), BATCH))
