@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -85,9 +86,15 @@ def loader(dataset: TensorDataset, batch_size: int = 16, **kwargs: Any) -> DataL
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, **kwargs)
 
 
+ACCELERATOR = os.environ.get("DPL_TEST_ACCELERATOR", "cpu")
+"""Accelerator of single-device tests; ``DPL_TEST_ACCELERATOR=gpu`` reruns them on a GPU."""
+DEVICE = torch.device("cuda" if ACCELERATOR == "gpu" else "cpu")
+"""Where those tests draw noise (regenerating a stream needs the generator's device)."""
+
+
 def make_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
     defaults: dict[str, Any] = dict(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator=ACCELERATOR, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, max_steps=1,
     )
     defaults.update(kwargs)
@@ -153,6 +160,7 @@ def run_ddp(module: pl.LightningModule, data: DataLoader, folder: str, world: in
         warnings.simplefilter("ignore")
         strategy = dplightning.DPDDPStrategy(start_method="spawn", **strategy_kwargs)
     callbacks = [DumpRankState(folder), *kwargs.pop("callbacks", [])]
+    kwargs.setdefault("accelerator", "cpu")  # gloo ranks on CPU, also when single-device tests use a GPU
     trainer = make_trainer(strategy, devices=world, callbacks=callbacks, **kwargs)
     trainer.fit(module, data, ckpt_path=ckpt_path)
     if save_to is not None:

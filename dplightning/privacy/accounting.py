@@ -10,7 +10,7 @@ import bisect
 import math
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from opacus.accountants import create_accountant
@@ -85,6 +85,96 @@ def calibrate_noise_multiplier(
             epsilon_tolerance=0.01 * min(1.0, target_epsilon),
         )
     return float(sigma)
+
+
+def combined_noise_multiplier(noise_multipliers: Iterable[float]) -> float:
+    """σ_eff of several Gaussian releases computed on the same Poisson sample at the same step.
+
+    Releasing f_j(D) + N(0, (σ_j Δ_j)²) for j = 1..m, where Δ_j is f_j's sensitivity, is one
+    Gaussian mechanism: scale each part by 1/(σ_j Δ_j) and the noise is N(0, I) while the
+    sensitivity is sqrt(Σ_j σ_j⁻²). So the step is accounted as one subsampled Gaussian
+    mechanism with noise multiplier σ_eff = (Σ_j σ_j⁻²)^(-1/2) (Andrew et al., "Differentially
+    Private Learning with Adaptive Clipping", NeurIPS 2021, Thm. 1, for a gradient and a count).
+
+    Args:
+        noise_multipliers: σ_j of each release, in units of its own sensitivity.
+
+    Returns:
+        σ_eff; the single σ unchanged for one release, and 0 if any σ_j is 0 (not private).
+    """
+    sigmas = [float(s) for s in noise_multipliers]
+    if not sigmas:
+        raise ValueError("combined_noise_multiplier needs at least one release.")
+    if len(sigmas) == 1:
+        return sigmas[0]
+    if any(s <= 0.0 for s in sigmas):
+        return 0.0
+    return math.fsum(s**-2 for s in sigmas) ** -0.5
+
+
+def split_noise_multiplier(effective: float, others: Iterable[float]) -> float:
+    """σ left for one release so that, with releases ``others``, the step has σ_eff = ``effective``.
+
+    The inverse of :func:`combined_noise_multiplier`: σ = (σ_eff⁻² − Σ_r σ_r⁻²)^(-1/2).
+
+    Raises:
+        ValueError: If the other releases alone already cost as much as σ_eff allows.
+    """
+    others = [float(s) for s in others]
+    if not others:
+        return float(effective)
+    rest = effective**-2 - math.fsum(s**-2 for s in others)
+    if rest <= 0.0 or min(others) <= 0.0:
+        raise ValueError(
+            f"The step releases with noise multipliers {others} alone exceed the budget of σ_eff = {effective:.4g}; "
+            "give them more noise (each σ_r must be well above σ_eff)."
+        )
+    return rest**-0.5
+
+
+def steps_within_budget(
+    prefix: Sequence[Segment],
+    noise_multiplier: float,
+    sample_rate: float,
+    target_epsilon: float,
+    delta: float,
+    accountant: str = "prv",
+    limit: int | None = None,
+) -> int:
+    """Largest n ≥ 0 with ε(``prefix`` + n steps of (σ, q)) ≤ ``target_epsilon``, at most ``limit``.
+
+    Exact ε by doubling then bisection: about 2·log2(n) accountant calls (PRV on CPU: about
+    0.1 s each up to 10³ steps, 0.7 s at 10⁴), so compute it once per (prefix, σ, q) and cache.
+
+    Args:
+        prefix: Segments run before the final (σ, q) segment.
+        noise_multiplier: σ of the final segment (σ_eff if the step releases more than the gradient).
+        sample_rate: q of the final segment.
+        target_epsilon: The budget.
+        delta: Target δ.
+        accountant: Name of an Opacus accountant.
+        limit: Largest n worth knowing (e.g. the steps the run plans); ``None`` for no cap.
+
+    Returns:
+        n; 0 if ``prefix`` alone (or one more step) already exceeds the budget.
+    """
+
+    def fits(n: int) -> bool:
+        return compute_epsilon([*prefix, (noise_multiplier, sample_rate, n)], delta, accountant) <= target_epsilon
+
+    if limit is not None and fits(limit):
+        return limit
+    lo, hi = 0, 1  # invariant once bracketed: fits(lo) and not fits(hi)
+    if not fits(lo):
+        return 0
+    while (limit is None or hi < limit) and fits(hi):
+        lo, hi = hi, 2 * hi
+    if limit is not None:
+        hi = min(hi, limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 class PrivacyLedger:

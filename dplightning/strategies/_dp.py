@@ -32,7 +32,13 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible
-from dplightning.privacy.accounting import PrivacyLedger, calibrate_noise_multiplier, check_accountant
+from dplightning.privacy.accounting import (
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    check_accountant,
+    combined_noise_multiplier,
+    split_noise_multiplier,
+)
 from dplightning.privacy.clipping import ClipGroup, available_clipping, make_clip_groups
 from dplightning.privacy.grad_sample import available_grad_sample_modes, make_grad_sample_backend
 from dplightning.privacy.grad_sample.backend import GradSampleBackend
@@ -104,6 +110,7 @@ class _DPMixin:
         self._num_samples: int | None = None
         self._expected_batch_size: float | None = None
         self.ledger = PrivacyLedger(accountant)
+        self._step_releases: dict[str, float] = {}
         self._backend: GradSampleBackend | None = None
         self._privatizer: GradientPrivatizer | None = None
         self._noise: GaussianNoise | None = None
@@ -121,6 +128,50 @@ class _DPMixin:
     def noise_multiplier(self) -> float | None:
         """σ; ``None`` until calibrated from ``target_epsilon`` (at the start of fit)."""
         return self._noise_multiplier
+
+    @property
+    def accounted_noise_multiplier(self) -> float | None:
+        """σ the ledger records per step: σ_eff of the gradient and every registered step release.
+
+        Equals :attr:`noise_multiplier` when nothing else is released (see :meth:`register_step_release`).
+        """
+        if self._noise_multiplier is None or not self._step_releases:
+            return self._noise_multiplier
+        return combined_noise_multiplier([self._noise_multiplier, *self._step_releases.values()])
+
+    @property
+    def step_releases(self) -> dict[str, float]:
+        """Registered per-step releases besides the gradient: name -> noise multiplier."""
+        return dict(self._step_releases)
+
+    def register_step_release(self, name: str, noise_multiplier: float) -> None:
+        """Account one more Gaussian release made at every step from the step's Poisson sample.
+
+        The caller releases, once per optimizer step, a statistic of the examples in that
+        step with sensitivity 1 (e.g. a count of clipped examples) plus N(0, σ_r²) noise,
+        added exactly once across ranks. Gradient and statistic together form one Gaussian
+        mechanism, so from now on the ledger records σ_eff = (σ⁻² + Σ_r σ_r⁻²)^(-1/2) per step
+        (whether or not the caller releases at that step), and ``target_epsilon`` calibration
+        aims at σ_eff, giving the gradient σ = (σ_eff⁻² − Σ_r σ_r⁻²)^(-1/2).
+
+        Args:
+            name: Name of the release (registering a name again replaces its σ_r).
+            noise_multiplier: σ_r, the noise std of the release in units of its sensitivity.
+
+        Raises:
+            ValueError: If ``noise_multiplier`` is not finite and > 0.
+            RuntimeError: If σ was already calibrated for ``target_epsilon`` without this release:
+                register in ``Callback.setup``, before fit starts.
+        """
+        if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
+            raise ValueError(f"Step release {name!r} needs a finite noise multiplier > 0, got {noise_multiplier}.")
+        calibrated = self.target_epsilon is not None and self._noise_multiplier is not None
+        if calibrated and self._step_releases.get(name) != float(noise_multiplier):
+            raise RuntimeError(
+                f"σ was already calibrated for target_epsilon={self.target_epsilon} without step release {name!r}; "
+                "register step releases before fit starts (in Callback.setup)."
+            )
+        self._step_releases[name] = float(noise_multiplier)
 
     @property
     def sample_rate(self) -> float | None:
@@ -195,6 +246,7 @@ class _DPMixin:
             "delta": self.delta,
             "clipping": self.clipping,
             "poisson_sampling": self.poisson_sampling,
+            "step_releases": dict(self._step_releases),
         }
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -292,7 +344,8 @@ class _DPMixin:
         self._privatizer = GradientPrivatizer(groups, bucket_cap_mb=self.bucket_cap_mb)
         self._noise = GaussianNoise(self.seed, rank=self.global_rank, secure_mode=self.secure_mode)
         self._restore_dp_state(trainer)
-        if not any(isinstance(cb, _EpsilonProgress) for cb in trainer.callbacks):
+        # A callback with `shows_epsilon = True` (e.g. dplightning.callbacks.PrivacyBudget) logs ε itself.
+        if not any(getattr(cb, "shows_epsilon", False) for cb in trainer.callbacks):
             trainer.callbacks.append(_EpsilonProgress())
 
     def _single_optimizer(self) -> Optimizer:
@@ -390,10 +443,13 @@ class _DPMixin:
         assert self.target_epsilon is not None and self._sample_rate is not None
         total = planned_steps(trainer, per_epoch)
         rank_zero_info(f"Calibrating σ for ε = {self.target_epsilon} over {total} steps ({self.accountant})...")
-        self._noise_multiplier = calibrate_noise_multiplier(
+        effective = calibrate_noise_multiplier(
             self.target_epsilon, self.delta, self._sample_rate, total, self.accountant  # type: ignore[arg-type]
         )
-        rank_zero_info(f"Calibrated noise multiplier σ = {self._noise_multiplier:.4f}.")
+        # The ledger records σ_eff of everything released per step; the gradient gets what the releases leave.
+        self._noise_multiplier = split_noise_multiplier(effective, self._step_releases.values())
+        shared = f" (σ_eff = {effective:.4f} with step releases {self.step_releases})" if self._step_releases else ""
+        rank_zero_info(f"Calibrated noise multiplier σ = {self._noise_multiplier:.4f}{shared}.")
 
     # ------------------------------------------------------------------ the step
 
@@ -455,7 +511,7 @@ class _DPMixin:
         self._noise.start_step(self.ledger.steps)
         self._privatizer.release(self._noise, self._local_noise_std(), self._expected_batch_size, self._bucket_reducer())
         if self.poisson_sampling:
-            self.ledger.step(self._noise_multiplier, self._sample_rate)  # type: ignore[arg-type]
+            self.ledger.step(self.accounted_noise_multiplier, self._sample_rate)  # type: ignore[arg-type]
         self.last_step_stats, self._step_stats = self._step_stats, []
 
     # ------------------------------------------------------------------ checkpoints
@@ -470,10 +526,12 @@ class _DPMixin:
         if not self.ledger.steps:
             return
         eps = self.get_epsilon()
+        releases = self._step_releases
+        shared = f"; σ_eff = {self.accounted_noise_multiplier:.4g} with {releases}" if releases else ""
         rank_zero_info(
             f"DP-SGD: (ε = {eps:.4g}, δ = {self.delta:.3g}) after {self.ledger.steps} steps "
             f"[σ = {self._noise_multiplier:.4g}, q = {self._sample_rate:.4g}, C = {self.max_grad_norm}, "
-            f"clipping = {self.clipping}, accountant = {self.accountant}]"
+            f"clipping = {self.clipping}, accountant = {self.accountant}{shared}]"
         )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -11,8 +11,11 @@ from lightning.pytorch.callbacks import Callback
 class _EpsilonProgress(Callback):
     """Logs ``epsilon`` (an upper bound, exact on a geometric grid of steps) every step.
 
-    Added automatically by the DP strategies; reads only public values (the ledger).
+    Added automatically by the DP strategies unless a callback with ``shows_epsilon = True``
+    (e.g. ``dplightning.callbacks.PrivacyBudget``) is present; reads only public values (the ledger).
     """
+
+    shows_epsilon: ClassVar[bool] = True
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -21,4 +24,6 @@ class _EpsilonProgress(Callback):
         if not getattr(strategy, "poisson_sampling", False) or strategy.steps == 0:  # type: ignore[attr-defined]
             return
         eps = strategy.epsilon_bound()  # type: ignore[attr-defined]
-        pl_module.log("epsilon", eps, on_step=True, on_epoch=False, prog_bar=True, logger=True, rank_zero_only=True)
+        # logger=False without a logger: Lightning would otherwise warn on every step
+        logger = bool(trainer.loggers)
+        pl_module.log("epsilon", eps, on_step=True, on_epoch=False, prog_bar=True, logger=logger, rank_zero_only=True)

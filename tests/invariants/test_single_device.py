@@ -16,7 +16,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 
 from dplightning.privacy.noise import GaussianNoise
-from tests.helpers import ManualModule, TinyModule, dp, loader, make_dataset, make_trainer, mlp, params_of
+from tests.helpers import DEVICE, ManualModule, TinyModule, dp, loader, make_dataset, make_trainer, mlp, params_of
 from tests.reference import clipped_sum, per_example_grads
 
 N, BATCH = 64, 16  # q = 0.25, expected batch B = 16
@@ -62,7 +62,7 @@ def test_noise_is_added_exactly_once() -> None:
     # Exact: it is the documented stream of (seed, rank 0, step 0).
     noise = GaussianNoise(seed=7, rank=0)
     noise.start_step(0)
-    torch.testing.assert_close(update, noise.sample(torch.zeros(n), sigma * c) / BATCH)
+    torch.testing.assert_close(update, noise.sample(torch.zeros(n, device=DEVICE), sigma * c).cpu() / BATCH)
 
 
 @pytest.mark.parametrize("sigma", [0.0, 0.8])
@@ -134,7 +134,7 @@ def test_resume_continues_epsilon_exactly_and_never_replays_noise(tmp_path, firs
     update = torch.cat([(before[n] - p.detach()).flatten() for n, p in resumed_module.named_parameters()])
     noise = GaussianNoise(seed=11)
     noise.start_step(first_steps)
-    torch.testing.assert_close(update, noise.sample(torch.zeros(update.numel()), 0.9) / BATCH)
+    torch.testing.assert_close(update, noise.sample(torch.zeros(update.numel(), device=DEVICE), 0.9).cpu() / BATCH)
 
 
 def test_adversarial_example_moves_sgd_by_at_most_lr_c_over_b() -> None:
