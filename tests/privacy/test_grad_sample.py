@@ -122,3 +122,59 @@ def test_close_removes_every_hook_and_attribute() -> None:
 
 def test_registry_lists_both_modes() -> None:
     assert {"hooks", "functorch"} <= set(available_grad_sample_modes())
+
+
+def test_recurrent_layer_called_once_per_time_step() -> None:
+    from opacus.layers import DPLSTM
+
+    class LastState(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = DPLSTM(3, 4, batch_first=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.lstm(x)[0][:, -1])
+
+    torch.manual_seed(0)
+    model, x, y = LastState(), torch.randn(5, 6, 3), torch.tensor([0, 1, 1, 0, 1])
+    expected = per_example_grads(model, F.cross_entropy, x, y)
+    got = _backend_grads(model, x, y)
+    assert set(got) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_tied_parameters_add_their_contributions() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(7, 4)
+            self.out = nn.Linear(4, 7, bias=False)
+            self.out.weight = self.embed.weight  # GPT-2's weight tying
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.embed(x).mean(1))
+
+    torch.manual_seed(0)
+    model, x, y = Tied(), torch.randint(0, 7, (4, 3)), torch.tensor([1, 2, 3, 4])
+    expected = per_example_grads(model, F.cross_entropy, x, y)
+    got = _backend_grads(model, x, y)
+    torch.testing.assert_close(got["embed.weight"], expected["embed.weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_forward_without_backward_is_forgotten() -> None:
+    model, x, _ = _cases()["linear"]
+    y = torch.arange(len(x)) % 3
+    backend = make_grad_sample_backend("hooks", model, "mean")
+    try:
+        model(x[:2])  # a forward whose output is never differentiated
+        backend.pop(list(model.parameters()))
+        F.cross_entropy(model(x), y).backward()
+        got = backend.pop(list(model.parameters()))
+    finally:
+        backend.close()
+    expected = per_example_grads(model, F.cross_entropy, x, y)
+    names = {p: n for n, p in model.named_parameters()}
+    for p, g in got.items():
+        torch.testing.assert_close(g, expected[names[p]], rtol=1e-5, atol=1e-6)

@@ -23,10 +23,20 @@ def mixing_modules(module: nn.Module) -> list[str]:
     ]
 
 
+def owns_trainable(module: nn.Module) -> bool:
+    """Whether ``module`` has trainable parameters of its own, not aliases of a child's.
+
+    Opacus' ``DPLSTM`` re-registers its ``RNNLinear`` children's weights under
+    ``nn.LSTM``'s names; those children, not the wrapper, compute them.
+    """
+    children = {id(p) for child in module.children() for p in child.parameters()}
+    return any(p.requires_grad and id(p) not in children for p in module.parameters(recurse=False))
+
+
 def modules_without_sampler(module: nn.Module, has_sampler: Callable[[nn.Module], bool]) -> list[str]:
     """Names (and types) of modules owning trainable parameters that no sampler handles."""
     return [
         f"{name or '<root>'} ({type(m).__name__})"
         for name, m in module.named_modules()
-        if any(p.requires_grad for p in m.parameters(recurse=False)) and not has_sampler(m)
+        if owns_trainable(m) and not has_sampler(m)
     ]
