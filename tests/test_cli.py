@@ -49,3 +49,16 @@ def test_strategy_by_registered_name(tmp_path: Path, monkeypatch: pytest.MonkeyP
         ["fit", "--config", str(QUICKSTART), "--trainer.strategy", "dp", "--trainer.max_epochs", "1", "--test_after_fit", "false"]
     )
     assert isinstance(cli.trainer.strategy, dplightning.DPStrategy) and cli.trainer.strategy.steps == 5
+
+
+def test_validate_test_and_predict_subcommands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    fit = build_cli(["fit", "--config", str(QUICKSTART), "--trainer.max_epochs", "1", "--test_after_fit", "false",
+                     "--trainer.enable_checkpointing", "true"])  # fmt: skip
+    ckpt = fit.trainer.checkpoint_callback.best_model_path
+    common = ["--config", str(QUICKSTART), "--ckpt_path", ckpt]
+    for subcommand in ("validate", "test"):
+        cli = build_cli([subcommand, *common])
+        assert cli.trainer.callback_metrics  # val_acc / test_acc
+    predictions = build_cli(["predict", *common, "--return_predictions", "true"]).trainer.predict_loop.predictions
+    assert sum(len(p) for p in predictions) == 359

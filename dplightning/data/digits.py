@@ -59,3 +59,6 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return DataLoader(self.test_set, batch_size=256, num_workers=self.num_workers)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.test_dataloader()

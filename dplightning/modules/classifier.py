@@ -49,6 +49,10 @@ class ImageClassifier(pl.LightningModule):
         self.test_acc(self(x), y)
         self.log("test_acc", self.test_acc)
 
+    def predict_step(self, batch: tuple[Tensor, Tensor] | Tensor, batch_idx: int) -> Tensor:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x).argmax(dim=1)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
             return torch.optim.SGD(self.parameters(), lr=0.5)
