@@ -55,7 +55,7 @@ class TinyModule(pl.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        self.batches.append((x.detach().clone(), y.detach().clone()))
+        self.batches.append((x.detach().cpu(), y.detach().cpu()))  # references run on the CPU
         return self.loss(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -75,7 +75,7 @@ class ManualModule(TinyModule):
         opt = self.optimizers()
         opt.zero_grad()
         x, y = batch
-        self.batches.append((x.detach().clone(), y.detach().clone()))
+        self.batches.append((x.detach().cpu(), y.detach().cpu()))
         loss = self.loss(self(x), y)
         self.manual_backward(loss)
         opt.step()

@@ -80,11 +80,34 @@ class PoissonBatchSampler(Sampler[list[int]]):
         """Called by Lightning at the start of each epoch."""
         self.epoch = epoch
 
-    def _uniforms(self, generator: torch.Generator | None) -> Tensor:
+    def _uniforms(self, count: int, generator: torch.Generator) -> Tensor:
+        """``count`` uniforms in (0, 1], float64, from the generator or the OS CSPRNG."""
         if self.secure_mode:
-            raw = np.frombuffer(os.urandom(8 * len(self.shard)), dtype=np.uint64)
-            return torch.from_numpy((raw >> np.uint64(11)).astype(np.float64) * 2.0**-53)
-        return torch.rand(len(self.shard), generator=generator, dtype=torch.float64)
+            raw = np.frombuffer(os.urandom(8 * count), dtype=np.uint64)
+            return torch.from_numpy(((raw >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53)
+        return 1.0 - torch.rand(count, generator=generator, dtype=torch.float64)
+
+    def _sample(self, generator: torch.Generator) -> Tensor:
+        """Shard positions of one Poisson(q) sample, in O(qN) work instead of O(N).
+
+        The gaps between consecutive included positions of a Bernoulli(q) sequence are
+        independent Geometric(q) variables, drawn by inversion: ceil(ln U / ln(1 - q)).
+        """
+        size, q = len(self.shard), self.sample_rate
+        if q >= 1.0:
+            return torch.arange(size)
+        expected = size * q
+        chunk = int(expected + 6 * math.sqrt(expected) + 16)
+        log_keep = math.log1p(-q)
+        positions: list[Tensor] = []
+        last = -1
+        while last < size:
+            gaps = torch.ceil(torch.log(self._uniforms(chunk, generator)) / log_keep).clamp_(min=1).long()
+            drawn = last + torch.cumsum(gaps, 0)
+            positions.append(drawn)
+            last = int(drawn[-1])
+        chosen = torch.cat(positions)
+        return chosen[chosen < size]
 
     def __iter__(self) -> Iterator[list[int]]:
         self._iterations += 1
@@ -93,7 +116,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         )
         generator = torch.Generator().manual_seed(seed)
         for _ in range(self.steps_per_epoch):
-            chosen = self.shard[self._uniforms(generator) < self.sample_rate]
+            chosen = self.shard[self._sample(generator)]
             for part in torch.tensor_split(chosen, self.micro_batches):
                 yield part.tolist()
 

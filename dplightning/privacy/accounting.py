@@ -193,13 +193,17 @@ class PrivacyLedger:
     Args:
         accountant: Name of an Opacus accountant.
         grid_ratio: Ratio between consecutive step counts of :meth:`epsilon_bound`'s grid.
+        grid_min_gap: Fewest steps between two grid points, so that the first steps of a
+            long run do not each pay for an accountant call.
     """
 
-    def __init__(self, accountant: str = "prv", grid_ratio: float = 1.1) -> None:
+    def __init__(self, accountant: str = "prv", grid_ratio: float = 1.1, grid_min_gap: int = 1) -> None:
         self.accountant = check_accountant(accountant)
         if grid_ratio <= 1.0:
             raise ValueError(f"grid_ratio must be > 1, got {grid_ratio}.")
         self.grid_ratio = grid_ratio
+        self.grid_min_gap = grid_min_gap
+        """Fewest steps between grid points (a strategy sets about 1% of the planned run)."""
         self._history: list[Segment] = []
         self._exact: OrderedDict[tuple[tuple[Segment, ...], float], float] = OrderedDict()
         self._grids: dict[tuple[Any, ...], tuple[list[int], list[float]]] = {}
@@ -252,7 +256,7 @@ class PrivacyLedger:
     def _next_grid_point(self, last: int, steps: int) -> int:
         point = max(last, 1)
         while point < steps:
-            point = max(point + 1, math.ceil(point * self.grid_ratio))
+            point = max(point + max(self.grid_min_gap, 1), math.ceil(point * self.grid_ratio))
         return point
 
     def state_dict(self) -> dict[str, Any]:

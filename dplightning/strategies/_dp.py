@@ -421,8 +421,11 @@ class _DPMixin:
             seed=self.seed,
             secure_mode=self.secure_mode,
         )
+        per_epoch = loader.batch_sampler.steps_per_epoch
         if self._noise_multiplier is None:
-            self._calibrate(trainer, loader.batch_sampler.steps_per_epoch)
+            self._calibrate(trainer, per_epoch)
+        if _finite_run(trainer):  # ε for the progress bar: about 100 accountant calls per run, not one per step
+            self.ledger.grid_min_gap = max(1, planned_steps(trainer, per_epoch) // 100)
         return loader
 
     def _set_sampling(self, num_samples: int, sample_rate: float) -> None:
@@ -551,6 +554,11 @@ def _check_noise_arguments(noise_multiplier: float | None, target_epsilon: float
             raise ValueError(f"target_epsilon must be finite and > 0, got {target_epsilon}.")
         if not poisson:
             raise ValueError("target_epsilon needs poisson_sampling=True: the accountant assumes Poisson sampling.")
+
+
+def _finite_run(trainer: pl.Trainer) -> bool:
+    epochs, steps = trainer.max_epochs, trainer.max_steps
+    return (epochs is not None and epochs >= 0) or (steps is not None and steps >= 0)
 
 
 def planned_steps(trainer: pl.Trainer, per_epoch: int) -> int:

@@ -35,6 +35,18 @@ def test_inclusion_frequency_matches_q() -> None:
     assert counts.max().item() < draws * q + 6 * math.sqrt(draws * q * (1 - q))
 
 
+@pytest.mark.parametrize("secure_mode", [False, True])
+def test_batch_sizes_have_binomial_mean_and_variance(secure_mode: bool) -> None:
+    n, q = 1000, 0.05
+    sampler = PoissonBatchSampler(n, q, seed=2, secure_mode=secure_mode)
+    sizes = torch.tensor([float(len(b)) for _ in range(100) for b in sampler])  # 100 epochs of 20 steps
+    m = len(sizes)
+    mean, var = n * q, n * q * (1 - q)
+    assert abs(sizes.mean().item() - mean) < 5 * math.sqrt(var / m)
+    assert abs(sizes.var().item() / var - 1) < 5 * math.sqrt(2 / (m - 1))
+    assert all(len(set(b)) == len(b) for b in sampler)  # no example twice in a batch
+
+
 def test_shards_are_disjoint_and_their_union_is_the_whole_set() -> None:
     shards = [PoissonBatchSampler(103, 0.5, rank=r, world_size=4, seed=0).shard for r in range(4)]
     union = torch.cat(shards)

@@ -43,6 +43,15 @@ def test_epsilon_bound_is_an_upper_bound_exact_on_grid_points() -> None:
     assert seen_exact >= 5  # grid points 1, 2, 3, 5, 8, 12, 18, 27, ...
 
 
+def test_grid_min_gap_spaces_the_accountant_calls() -> None:
+    ledger = PrivacyLedger("rdp", grid_ratio=1.1, grid_min_gap=10)
+    for _ in range(35):
+        ledger.step(1.0, 0.05)
+        assert ledger.epsilon_bound(DELTA) >= ledger.get_epsilon(DELTA) - 1e-12
+    points = next(iter(ledger._grids.values()))[0]
+    assert points == [1, 11, 21, 31, 41]
+
+
 def test_epsilon_bound_is_cached_between_grid_points() -> None:
     ledger = PrivacyLedger("prv", grid_ratio=2.0)
     ledger.step(1.0, 0.01, 100)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
 import dplightning
-from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer, params_of
+from tests.helpers import ACCELERATOR, TinyModule, dp, loader, make_dataset, make_trainer, params_of
 
 N, BATCH = 64, 16
 
@@ -118,6 +118,7 @@ def test_accumulation_scheduler_is_refused() -> None:
         _fit(callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})])
 
 
+@pytest.mark.skipif(ACCELERATOR != "cpu", reason="needs two devices of the test accelerator")
 def test_several_devices_need_dp_ddp() -> None:
     with pytest.raises(ValueError, match="dp_ddp"):
         _fit(devices=2)
@@ -188,7 +189,7 @@ class _Observe(pl.Callback):
         self.grads: list[dict[str, torch.Tensor]] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+        self.grads.append({n: p.grad.cpu() for n, p in pl_module.named_parameters() if p.grad is not None})
 
 
 def test_on_before_optimizer_step_sees_the_private_gradient() -> None:
