@@ -28,6 +28,17 @@ def mlp(features: int = 6, classes: int = 3, hidden: int = 5) -> nn.Module:
     return nn.Sequential(nn.Linear(features, hidden), nn.Tanh(), nn.Linear(hidden, classes))
 
 
+class Scale(nn.Module):
+    """A layer with a direct parameter and no registered per-example sampler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w
+
+
 class TinyModule(pl.LightningModule):
     """Cross-entropy on any network; records the batches it trained on.
 

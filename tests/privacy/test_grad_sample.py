@@ -9,6 +9,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from dplightning.privacy.grad_sample import available_grad_sample_modes, make_grad_sample_backend
+from tests.helpers import Scale
 from tests.reference import per_example_grads
 
 
@@ -20,17 +21,6 @@ class Pool(nn.Module):
 class TokenMean(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.mean(1)
-
-
-class Scale(nn.Module):
-    """A layer with a direct parameter and no registered sampler."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.w
 
 
 def _cases() -> dict[str, tuple[nn.Module, torch.Tensor, int]]:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
 import dplightning
-from tests.helpers import ACCELERATOR, TinyModule, dp, loader, make_dataset, make_trainer, params_of
+from tests.helpers import ACCELERATOR, Scale, TinyModule, dp, loader, make_dataset, make_trainer, params_of
 
 N, BATCH = 64, 16
 
@@ -68,23 +68,14 @@ class _BatchNormModule(TinyModule):
         super().__init__(net=nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)))
 
 
-class _Scale(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.w
-
-
 def test_batchnorm_is_refused_with_the_module_name() -> None:
     with pytest.raises(ValueError, match=r"net\.1.*GroupNorm"):
         _fit(_BatchNormModule())
 
 
 def test_module_without_sampler_is_listed() -> None:
-    with pytest.raises(ValueError, match=r"net\.1 \(_Scale\)"):
-        _fit(TinyModule(net=nn.Sequential(nn.Linear(6, 3), _Scale())))
+    with pytest.raises(ValueError, match=r"net\.1 \(Scale\)"):
+        _fit(TinyModule(net=nn.Sequential(nn.Linear(6, 3), Scale())))
 
 
 def test_custom_sampler_is_refused() -> None:
