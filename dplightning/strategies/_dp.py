@@ -116,6 +116,7 @@ class _DPMixin:
         self._noise: GaussianNoise | None = None
         self._resume_state: dict[str, Any] | None = None
         self._batch_rows: int | None = None
+        self._batches_since_release = 0
         self._step_stats: list[MicroBatchStats] = []
         self.last_step_stats: list[MicroBatchStats] = []
         """Per-backward statistics of the last optimizer step (raw norms: NOT private)."""
@@ -458,6 +459,7 @@ class _DPMixin:
 
     def _dp_training_step(self, run: Callable[[], Any], batch: Any) -> Any:
         self._batch_rows = batch_rows(batch)
+        self._batches_since_release += 1
         module = self.lightning_module
         assert module is not None
         if self._privatizer is not None and self._batch_rows == 0 and module.automatic_optimization:
@@ -508,9 +510,24 @@ class _DPMixin:
             return std / math.sqrt(self.world_size)
         return std if self.global_rank == 0 else 0.0
 
+    def _check_one_batch_per_release(self) -> None:
+        # The accountant charges one Poisson(q) batch per noisy step. Lightning enforces that for
+        # automatic optimization (k micro-batches = one Poisson batch); a manual loop must step once per batch.
+        module = self.lightning_module
+        assert module is not None
+        batches, self._batches_since_release = self._batches_since_release, 0
+        if not module.automatic_optimization and batches != 1:
+            raise RuntimeError(
+                f"Under DP, manual optimization must call opt.step() exactly once per training batch; this step "
+                f"covers {batches} batches. Several batches per step would sample at a higher rate than the "
+                "accountant charges, and several steps per batch release the same examples twice. To accumulate, "
+                "use automatic optimization with Trainer(accumulate_grad_batches=k)."
+            )
+
     def _privatize(self) -> None:
         assert self._privatizer is not None and self._noise is not None
         assert self._noise_multiplier is not None and self._expected_batch_size is not None
+        self._check_one_batch_per_release()
         self._noise.start_step(self.ledger.steps)
         self._privatizer.release(self._noise, self._local_noise_std(), self._expected_batch_size, self._bucket_reducer())
         if self.poisson_sampling:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
 import dplightning
-from tests.helpers import ACCELERATOR, Scale, TinyModule, dp, loader, make_dataset, make_trainer, params_of
+from tests.helpers import ACCELERATOR, ManualModule, Scale, TinyModule, dp, loader, make_dataset, make_trainer, params_of
 
 N, BATCH = 64, 16
 
@@ -129,6 +129,19 @@ def test_sequence_first_layers_are_detected() -> None:
 
     with pytest.raises(RuntimeError, match="batch_first"):
         _fit(SeqFirst())
+
+
+@pytest.mark.parametrize("steps_per_batch", [0.5, 2])
+def test_manual_optimization_must_step_once_per_batch(steps_per_batch: float) -> None:
+    class Irregular(ManualModule):
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            self.manual_backward(self.loss(self(batch[0]), batch[1]))
+            for _ in range(int(steps_per_batch) if steps_per_batch >= 1 else batch_idx % 2):
+                opt.step()  # every other batch (accumulating across Poisson batches), or twice per batch
+
+    with pytest.raises(RuntimeError, match="exactly once per training batch"):
+        _fit(Irregular(), max_steps=4)
 
 
 def test_resuming_a_non_dp_checkpoint_is_refused(tmp_path) -> None:
