@@ -1,28 +1,28 @@
 """Time per optimizer step of DP-SGD in dplightning vs no-DP Lightning, Opacus and plain PyTorch.
 
-Run (the full benchmark whose table is in ``benchmarks/README.md``)::
+Run (full; the tables in ``benchmarks/README.md``), or a smoke run (one repeat of 5 steps)::
 
-    /tmp/venv/bin/python benchmarks/step_overhead.py --out benchmarks/results/step_overhead_cpu.json
+    .venv/bin/python benchmarks/step_overhead.py --out benchmarks/results/step_overhead_cpu.json
+    .venv/bin/python benchmarks/step_overhead.py --quick --out step_overhead_quick.json
 
-Smoke run (a few seconds per runner)::
+Runners, all on the same network (same init), data, SGD optimizer and batch size B: ``plain``
+(a hand-written PyTorch loop), ``lightning`` (``Trainer(strategy="auto")``), ``opacus``
+(``PrivacyEngine.make_private`` driving the same loop) and ``dplightning`` (``DPStrategy``).
+Both DP runners use σ = 1, C = 1 and Poisson sampling (q = B / N: B rows on average).
 
-    /tmp/venv/bin/python benchmarks/step_overhead.py --quick --out /tmp/step_overhead_quick.json
+Timing: a step's time is the gap between two step starts, recorded by ``perf_counter`` once
+the batch is fetched (``Callback.on_train_batch_start`` under Lightning, the loop body's top
+otherwise). It covers data loading, forward, backward, clipping, noise, the optimizer and
+every per-step hook (e.g. dplightning's ε progress callback), but not Trainer setup or a
+sanity check (there is no validation loader). ``--warmup`` gaps are dropped; all timed steps
+fall in the first epoch. ``--repeats`` interleaved repeats are pooled. Lightning is told to run
+``--planned-steps`` steps and stopped early: dplightning spaces its ε progress bar's accountant
+calls by ~1% of the planned run, so a tiny ``max_steps`` would put one in nearly every step.
 
-Four runners train the same network (same init seed), data, SGD optimizer and batch size:
-``plain`` (a hand-written PyTorch loop), ``lightning`` (``Trainer(strategy="auto")``),
-``opacus`` (``PrivacyEngine.make_private`` with Poisson sampling driving the same loop) and
-``dplightning`` (``DPStrategy``). Both DP runners use σ = 1, C = 1 and Poisson sampling with
-q = B / N, so their batches have B rows on average; the others use fixed batches of B.
-
-Timing: every runner records ``perf_counter`` when a step starts, i.e. once its batch has been
-fetched (``Callback.on_train_batch_start`` for Lightning, the top of the loop body otherwise).
-A step's time is the gap to the next start, so it covers data loading, forward, backward,
-clipping, noise, the optimizer and every per-step hook (e.g. dplightning's ε progress callback),
-but not Trainer setup (no sanity check runs: there is no validation loader). The first
-``--warmup`` gaps are dropped; N holds enough rows that all timed steps fall in one epoch.
-
-Memory: each runner runs in a fresh ``spawn`` process, so ``ru_maxrss`` (peak RSS) is its own;
-``rss_growth_mib`` is the peak minus the peak just before training (model and data built).
+Isolation: each repeat is a fresh ``spawn`` process, so its peak RSS (``ru_maxrss``) is its
+own and no hooks or allocator state leak between runners. ``foreign_cpu_pct`` is the share of
+the machine's CPU that other processes used meanwhile (``/proc/stat``); above
+``--max-other-cpu`` the repeat is retried, as one busy core slows threaded steps many-fold.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
+from itertools import pairwise
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -54,21 +56,22 @@ from torch.utils.data import DataLoader, TensorDataset
 import dplightning
 from dplightning.models import SmallCNN
 
-RUNNERS = ("plain", "lightning", "opacus", "dplightning")
-LABELS = {
+RUNNERS = {
     "plain": "plain PyTorch loop (no DP)",
     "lightning": "Lightning strategy='auto' (no DP)",
     "opacus": "Opacus make_private + plain loop",
     "dplightning": "dplightning DPStrategy",
 }
 RATIOS = (("dplightning", "lightning"), ("dplightning", "opacus"), ("opacus", "plain"), ("lightning", "plain"))
-# (title, result key, format) of the printed table; "other CPU" is other processes' share (should be ~0).
+# (title, summary key, format) of the printed table.
 COLUMNS = (
     ("median ms", "median_ms", ".1f"), ("mean ms", "mean_ms", ".1f"), ("stdev ms", "stdev_ms", ".1f"),
     ("mean rows", "mean_batch_rows", ".1f"), ("peak RSS", "peak_rss_mib", ".0f"),
     ("RSS growth", "rss_growth_mib", "+.0f"), ("other CPU%", "foreign_cpu_pct", ".0f"),
 )  # fmt: skip
 NOISE_MULTIPLIER, MAX_GRAD_NORM, LR, NUM_CLASSES = 1.0, 1.0, 0.05, 10
+TRIES, RETRY_PAUSE_S = 6, 30.0
+ENV_PREFIXES = ("MALLOC_", "OMP_", "MKL_", "LD_PRELOAD", "PYTHONPATH")  # settings that change the timings
 
 
 def _mlp() -> nn.Module:
@@ -100,26 +103,29 @@ class Classifier(pl.LightningModule):
 
 
 class StepClock(pl.Callback):
-    """Records when each training batch starts and how many rows it has."""
+    """Records when each training batch starts and its rows; stops training after ``steps`` steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
         self.starts: list[float] = []
         self.rows: list[int] = []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def tick(self, rows: int) -> bool:
+        """Record a step start; return whether it only closes the last step (time to stop)."""
         self.starts.append(time.perf_counter())
-        self.rows.append(len(batch[0]))
+        self.rows.append(rows)
+        return len(self.starts) > self.steps
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.tick(len(batch[0])):
+            trainer.should_stop = True  # this batch still runs, untimed; then fit ends
 
 
-def _clock_loop(
-    loader: Iterable[tuple[Tensor, Tensor]], net: nn.Module, opt: torch.optim.Optimizer, steps: int
-) -> StepClock:
-    """The hand-written loop: runs ``steps`` steps and records ``steps + 1`` starts like :class:`StepClock`."""
-    clock = StepClock()
+def _clock_loop(loader: Iterable[Any], net: nn.Module, opt: torch.optim.Optimizer, steps: int) -> StepClock:
+    """The hand-written loop, timed like the Lightning runs by a :class:`StepClock`."""
+    clock = StepClock(steps)
     for x, y in loader:
-        clock.starts.append(time.perf_counter())
-        clock.rows.append(len(x))
-        if len(clock.starts) > steps:  # the last start only closes the previous step
+        if clock.tick(len(x)):
             break
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(net(x), y).backward()
@@ -127,48 +133,44 @@ def _clock_loop(
     return clock
 
 
-def _fit(net: nn.Module, loader: DataLoader, steps: int, strategy: Any) -> StepClock:
-    """``Trainer.fit`` for ``steps`` steps without logger, checkpoints, progress bar or summary."""
-    clock = StepClock()
+def _fit(net: nn.Module, loader: DataLoader, steps: int, planned: int, strategy: Any) -> StepClock:
+    """``Trainer.fit`` told to run ``planned`` steps, stopped after ``steps``; no logger, checkpoints or bars."""
+    clock = StepClock(steps)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps + 1, logger=False, callbacks=[clock],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=max(planned, steps + 1), logger=False,
+        callbacks=[clock], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(Classifier(net), loader)
     return clock
 
 
-def _train(runner: str, net: nn.Module, loader: DataLoader, steps: int) -> StepClock:
-    """Train ``steps`` (+1 to close the last gap) steps with ``runner``."""
+def _train(runner: str, net: nn.Module, loader: DataLoader, steps: int, planned: int) -> StepClock:
+    """Train ``steps`` steps (and one more start to close the last gap) with ``runner``."""
     if runner == "lightning":
-        return _fit(net, loader, steps, "auto")
+        return _fit(net, loader, steps, planned, "auto")
     if runner == "dplightning":
         strategy = dplightning.DPStrategy(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM)
-        return _fit(net, loader, steps, strategy)
+        return _fit(net, loader, steps, planned, strategy)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     if runner == "opacus":
-        engine = opacus.PrivacyEngine(accountant="prv")
-        net, opt, loader = engine.make_private(
+        net, opt, loader = opacus.PrivacyEngine(accountant="prv").make_private(
             module=net, optimizer=opt, data_loader=loader, noise_multiplier=NOISE_MULTIPLIER,
             max_grad_norm=MAX_GRAD_NORM, poisson_sampling=True,
         )  # fmt: skip
     return _clock_loop(loader, net, opt, steps)
 
 
-def _max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def _cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine incl. steal, CPU seconds of this process)."""
+def _usage() -> tuple[float, float, float]:
+    """(peak RSS MiB of this process, busy CPU seconds of the whole machine incl. steal, CPU seconds of ours)."""
     ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
     own = resource.getrusage(resource.RUSAGE_SELF)
-    return busy, own.ru_utime + own.ru_stime
+    return own.ru_maxrss / 1024, busy, own.ru_utime + own.ru_stime  # ru_maxrss is in KiB on Linux
 
 
-def measure(runner: str, workload: str, steps: int, warmup: int, threads: int) -> dict[str, Any]:
-    """Run one runner on one workload in this (fresh) process and summarise its step times."""
+def measure(runner: str, workload: str, steps: int, warmup: int, threads: int, planned: int) -> dict[str, Any]:
+    """Run one runner on one workload in this (fresh) process; return its timed steps and memory."""
     warnings.filterwarnings("ignore")  # Lightning's num_workers hints etc.; they do not change timing
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(threads)
@@ -178,41 +180,43 @@ def measure(runner: str, workload: str, steps: int, warmup: int, threads: int) -
     data = TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, NUM_CLASSES, (n,), generator=g))
     torch.manual_seed(0)
     net = build()
-    rss_before, (busy, own), wall = _max_rss_mib(), _cpu_seconds(), time.perf_counter()
-    clock = _train(runner, net, DataLoader(data, batch_size=batch, shuffle=True), warmup + steps)
-    # Other processes' CPU use while we trained: a non-zero share means the timings are suspect.
-    (busy_end, own_end), wall = _cpu_seconds(), time.perf_counter() - wall
-    foreign = max(busy_end - busy - (own_end - own), 0.0) / (wall * (os.cpu_count() or 1))
-    gaps = [1e3 * (b - a) for a, b in zip(clock.starts, clock.starts[1:])][warmup:]
+    (rss0, busy0, own0), wall = _usage(), time.perf_counter()
+    clock = _train(runner, net, DataLoader(data, batch_size=batch, shuffle=True), warmup + steps, planned)
+    (rss1, busy1, own1), wall = _usage(), time.perf_counter() - wall
+    foreign = max(busy1 - busy0 - (own1 - own0), 0.0) / (wall * (os.cpu_count() or 1))
     return {
-        "median_ms": statistics.median(gaps),
-        "mean_ms": statistics.fmean(gaps),
-        "stdev_ms": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
-        "mean_batch_rows": statistics.fmean(clock.rows[warmup : warmup + len(gaps)]),
-        "peak_rss_mib": _max_rss_mib(),
-        "rss_growth_mib": _max_rss_mib() - rss_before,
+        "step_ms": [1e3 * (b - a) for a, b in pairwise(clock.starts)][warmup:],
+        "mean_batch_rows": statistics.fmean(clock.rows[warmup:-1]),
+        "peak_rss_mib": rss1,
+        "rss_growth_mib": rss1 - rss0,
         "foreign_cpu_pct": 100 * foreign,
         "threads": torch.get_num_threads(),
-        "step_ms": gaps,
     }
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _measure_quietly(runner: str, workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`measure` in a fresh process, retried while other processes took too much CPU."""
+    for attempt in range(1, TRIES + 1):
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            job = pool.submit(measure, runner, workload, args.steps, args.warmup, args.threads, args.planned_steps)
+            run = job.result()
+        run["attempts"] = attempt
+        if run["foreign_cpu_pct"] <= args.max_other_cpu or attempt == TRIES:
+            return run
+        print(f"  [{runner}: other processes used {run['foreign_cpu_pct']:.0f}% CPU, retrying]", file=sys.stderr)
+        time.sleep(RETRY_PAUSE_S)
+    raise AssertionError("unreachable")
 
 
-def _environment(threads: int) -> dict[str, Any]:
+def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = [t for run in runs for t in run["step_ms"]]
     return {
-        "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-        "opacus": opacus.__version__, "dplightning": getattr(dplightning, "__version__", "editable"),
-        "cpu": _cpu_model(), "logical_cpus": torch.multiprocessing.cpu_count(), "threads": threads,
-        "platform": platform.platform(),
+        "median_ms": statistics.median(steps), "mean_ms": statistics.fmean(steps),
+        "stdev_ms": statistics.stdev(steps) if len(steps) > 1 else 0.0,
+        "repeat_median_ms": [statistics.median(run["step_ms"]) for run in runs],
+        "mean_batch_rows": statistics.fmean(run["mean_batch_rows"] for run in runs),
+        **{key: max(run[key] for run in runs) for key in ("peak_rss_mib", "rss_growth_mib", "foreign_cpu_pct")},
+        "runs": runs,
     }  # fmt: skip
 
 
@@ -220,52 +224,80 @@ def _ratios(results: dict[str, dict[str, Any]], key: str) -> dict[str, float]:
     return {f"{a}/{b}": results[a][key] / results[b][key] for a, b in RATIOS if a in results and b in results}
 
 
-def _table(workload: str, results: dict[str, dict[str, Any]], steps: int, warmup: int, threads: int) -> str:
+def _table(workload: str, results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     _, shape, batch = WORKLOADS[workload]
     lines = [
-        f"{workload}: input {'x'.join(map(str, shape))}, batch {batch}, {steps} timed steps after {warmup} "
-        f"warm-up, {threads} threads",
+        f"{workload}: input {'x'.join(map(str, shape))}, batch {batch}, {args.repeats} x {args.steps} timed steps "
+        f"(after {args.warmup} warm-up), {args.threads} threads",
         f"  {'runner':<35}" + "".join(title.rjust(11) for title, _, _ in COLUMNS),
     ]
     for runner, r in results.items():
-        lines.append(f"  {LABELS[runner]:<35}" + "".join(format(r[key], fmt).rjust(11) for _, key, fmt in COLUMNS))
+        lines.append(f"  {RUNNERS[runner]:<35}" + "".join(format(r[key], fmt).rjust(11) for _, key, fmt in COLUMNS))
     median, mean = _ratios(results, "median_ms"), _ratios(results, "mean_ms")
     lines += [f"  {name:<24} x{median[name]:.2f} (median)  x{mean[name]:.2f} (mean)" for name in median]
     return "\n".join(lines)
 
 
+def _environment(threads: int) -> dict[str, Any]:
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
+        "opacus": opacus.__version__, "dplightning": _source(), "platform": platform.platform(),
+        "cpu": models[0] if models else platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
+        "threads": threads, "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
+    }  # fmt: skip
+
+
+def _source() -> dict[str, Any]:
+    """Where dplightning was imported from, its git commit and uncommitted files (the code measured)."""
+    root = Path(dplightning.__file__).resolve().parents[1]
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True).stdout.strip()
+
+    return {"path": str(root), "commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain").splitlines()}
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps per runner")
+    parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per repeat")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
+    parser.add_argument(
+        "--planned-steps", type=int, default=1000,
+        help="max_steps the Trainer is told (it is stopped early); sets how often dplightning's ε progress bar "
+        "calls the accountant (about 100 times per planned run)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per runner, interleaved")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
     parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--runners", nargs="+", choices=RUNNERS, default=list(RUNNERS))
-    parser.add_argument("--quick", action="store_true", help="smoke run: 5 steps after 2 warm-up")
+    parser.add_argument("--runners", nargs="+", choices=list(RUNNERS), default=list(RUNNERS))
+    parser.add_argument("--max-other-cpu", type=float, default=5.0, help="retry a repeat above this %% (100 = never)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat of 5 steps after 2 warm-up")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_overhead_cpu.json"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup = 5, 2
+        args.steps, args.warmup, args.repeats = 5, 2, 1
+    args.runners = list(dict.fromkeys(args.runners))
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Measure every runner on every workload, print one table per workload and write JSON."""
+    """Measure every runner on every workload, print one table per workload and write the JSON."""
     args = _parse(argv)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for workload in args.models:
-        results[workload] = {}
-        for runner in args.runners:
-            # A fresh process per runner: a clean peak RSS, and no hooks or allocator state left by another.
-            with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-                job = pool.submit(measure, runner, workload, args.steps, args.warmup, args.threads)
-                results[workload][runner] = job.result()
-        print(_table(workload, results[workload], args.steps, args.warmup, args.threads), end="\n\n", flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {runner: [] for runner in args.runners}
+        for _ in range(args.repeats):
+            for runner in args.runners:
+                runs[runner].append(_measure_quietly(runner, workload, args))
+        results[workload] = {runner: _summarise(r) for runner, r in runs.items()}
+        print(_table(workload, results[workload], args), end="\n\n", flush=True)
     report = {
-        "benchmark": "step_overhead", "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "environment": _environment(args.threads), "steps": args.steps, "warmup": args.warmup,
-        "noise_multiplier": NOISE_MULTIPLIER, "max_grad_norm": MAX_GRAD_NORM, "optimizer": f"SGD(lr={LR})",
-        "results": results,
+        "benchmark": "step_overhead", "command": " ".join(["python", *sys.argv]),
+        "environment": _environment(args.threads), "noise_multiplier": NOISE_MULTIPLIER,
+        "max_grad_norm": MAX_GRAD_NORM, "optimizer": f"SGD(lr={LR})",
+        **{key: value for key, value in vars(args).items() if key != "out"}, "results": results,
         "ratios": {w: {"median": _ratios(r, "median_ms"), "mean": _ratios(r, "mean_ms")} for w, r in results.items()},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
