@@ -130,7 +130,8 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the spawned ranks
 
     results = {name: measure(name, args) for name in ("single", "dp", "ddp", "dp_ddp")}
-    print(f"MLP {args.depth}x{args.width}, batch {args.batch}/process, {args.world} processes, {args.threads} thread(s) each, CPU")
+    layout = f"{args.world} processes, {args.threads} thread(s) each"
+    print(f"MLP {args.depth}x{args.width}, batch {args.batch}/process, {layout}, CPU")
     for name, seconds in results.items():
         print(f"  {name:8s} {1e3 * seconds:8.2f} ms/step")
     print(f"  dp_ddp / ddp    = {results['dp_ddp'] / results['ddp']:.2f}x")
@@ -141,8 +142,13 @@ def main() -> None:
         "ms_per_step": {k: 1e3 * v for k, v in results.items()},
         "ratio_dp_ddp_over_ddp": results["dp_ddp"] / results["ddp"],
         "config": vars(args),
-        "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "opacus": opacus.__version__,
-                     "dplightning": dplightning.__version__, "python": platform.python_version()},  # fmt: skip
+        "versions": {
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "opacus": opacus.__version__,
+            "dplightning": dplightning.__version__,
+            "python": platform.python_version(),
+        },  # fmt: skip
         "hardware": {"cpu": _cpu_model(), "cores": os.cpu_count(), "device": "cpu"},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,10 @@ import dplightning
 from dplightning.models import SmallCNN
 
 WORKLOADS = {
-    "mlp": (lambda: nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(1024, 1024), nn.Tanh())], nn.Linear(1024, 10)), (1024,)),
+    "mlp": (
+        lambda: nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(1024, 1024), nn.Tanh())], nn.Linear(1024, 10)),
+        (1024,),
+    ),
     "cnn": (lambda: SmallCNN(in_channels=3, channels=64), (3, 32, 32)),
 }
 
@@ -113,7 +116,9 @@ def measure(runner: str, workload: str, args: argparse.Namespace) -> dict[str, f
     if runner == "opacus":
         times = _opacus(workload, args)
     else:
-        strategy = dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0) if runner == "dplightning" else "auto"
+        strategy = (
+            dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0) if runner == "dplightning" else "auto"
+        )
         times = _lightning(workload, strategy, args)
     return {"ms": 1e3 * statistics.median(times[args.warmup :]), "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
 

@@ -1,7 +1,8 @@
 """dplightning: differentially private training for any LightningModule.
 
-Importing the package registers the strategy names (``"dp"``, ``"dp_ddp"``, ``"dp_ddp_spawn"``) with Lightning, so
-``Trainer(strategy="dp")`` and ``LightningCLI`` configs can refer to them.
+Importing the package registers the strategy names ``"dp"``, ``"dp_ddp"`` and
+``"dp_ddp_spawn"`` with Lightning, so ``Trainer(strategy="dp")`` and ``LightningCLI``
+configs can refer to them.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

@@ -1,8 +1,8 @@
 """The ``dplightning`` command: LightningCLI with the DP strategies registered.
 
-    dplightning fit --config configs/quickstart.yaml
-    dplightning fit --config configs/quickstart.yaml --trainer.strategy.init_args.target_epsilon 1
-    dplightning fit --trainer.strategy.help dplightning.DPStrategy    # the DP arguments
+dplightning fit --config configs/quickstart.yaml
+dplightning fit --config configs/quickstart.yaml --trainer.strategy.init_args.target_epsilon 1
+dplightning fit --trainer.strategy.help dplightning.DPStrategy    # the DP arguments
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ class DPLightningCLI(LightningCLI):
         if hasattr(strategy, "get_epsilon") and strategy.steps:
             eps = strategy.get_epsilon()
             shown = "inf (no Poisson sampling)" if math.isinf(eps) else f"{eps:.4g}"
-            rank_zero_info(f"Final privacy guarantee: (ε = {shown}, δ = {strategy.delta:.3g}) after {strategy.steps} steps.")
+            rank_zero_info(
+                f"Final privacy guarantee: (ε = {shown}, δ = {strategy.delta:.3g}) after {strategy.steps} steps."
+            )
 
 
 def build_cli(args: list[str] | None = None) -> DPLightningCLI:

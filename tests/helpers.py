@@ -49,8 +49,13 @@ class TinyModule(pl.LightningModule):
         optimizer: ``"sgd"`` or a factory ``params -> Optimizer``.
     """
 
-    def __init__(self, net: nn.Module | None = None, lr: float = 1.0, zero_loss: bool = False,
-                 optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> None:
+    def __init__(
+        self,
+        net: nn.Module | None = None,
+        lr: float = 1.0,
+        zero_loss: bool = False,
+        optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    ) -> None:
         super().__init__()
         self.net = net if net is not None else mlp()
         self.lr = lr
@@ -105,8 +110,13 @@ DEVICE = torch.device("cuda" if ACCELERATOR == "gpu" else "cpu")
 
 def make_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
     defaults: dict[str, Any] = dict(
-        accelerator=ACCELERATOR, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, max_steps=1,
+        accelerator=ACCELERATOR,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        max_steps=1,
     )
     defaults.update(kwargs)
     return pl.Trainer(strategy=strategy, **defaults)
@@ -162,8 +172,15 @@ class DumpRankState(pl.Callback):
         torch.save(state, f"{self.folder}/rank{trainer.global_rank}.pt")
 
 
-def run_ddp(module: pl.LightningModule, data: DataLoader, folder: str, world: int = 2, ckpt_path: Any = None,
-            save_to: str | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+def run_ddp(
+    module: pl.LightningModule,
+    data: DataLoader,
+    folder: str,
+    world: int = 2,
+    ckpt_path: Any = None,
+    save_to: str | None = None,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
     """Fit on ``world`` spawned CPU/gloo ranks; return every rank's :class:`DumpRankState` record."""
     strategy_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _DP_ARGS}
     strategy_kwargs.setdefault("noise_multiplier", 0.0)
@@ -180,6 +197,14 @@ def run_ddp(module: pl.LightningModule, data: DataLoader, folder: str, world: in
 
 
 _DP_ARGS = {
-    "noise_multiplier", "target_epsilon", "max_grad_norm", "delta", "accountant", "clipping", "seed",
-    "noise_placement", "bucket_cap_mb", "poisson_sampling",
+    "noise_multiplier",
+    "target_epsilon",
+    "max_grad_norm",
+    "delta",
+    "accountant",
+    "clipping",
+    "seed",
+    "noise_placement",
+    "bucket_cap_mb",
+    "poisson_sampling",
 }

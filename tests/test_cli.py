@@ -46,7 +46,17 @@ def test_quickstart_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_strategy_by_registered_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     cli = build_cli(
-        ["fit", "--config", str(QUICKSTART), "--trainer.strategy", "dp", "--trainer.max_epochs", "1", "--test_after_fit", "false"]
+        [
+            "fit",
+            "--config",
+            str(QUICKSTART),
+            "--trainer.strategy",
+            "dp",
+            "--trainer.max_epochs",
+            "1",
+            "--test_after_fit",
+            "false",
+        ]
     )
     assert isinstance(cli.trainer.strategy, dplightning.DPStrategy) and cli.trainer.strategy.steps == 5
 

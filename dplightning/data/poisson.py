@@ -19,7 +19,15 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 from torch.utils.data.distributed import DistributedSampler
 
 from dplightning.privacy.noise import derive_seed
@@ -111,8 +119,10 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         self._iterations += 1
-        seed = secrets.randbits(63) if self.seed is None else derive_seed(
-            self.seed, "sample", self.rank, self.epoch, self._iterations
+        seed = (
+            secrets.randbits(63)
+            if self.seed is None
+            else derive_seed(self.seed, "sample", self.rank, self.epoch, self._iterations)
         )
         generator = torch.Generator().manual_seed(seed)
         for _ in range(self.steps_per_epoch):
@@ -166,7 +176,9 @@ class PoissonDataLoader(DataLoader):
 def check_poisson_compatible(dataloader: DataLoader) -> None:
     """Raise if replacing the loader's sampler would silently change what the user asked for."""
     if isinstance(dataloader.dataset, IterableDataset):
-        raise TypeError("Poisson sampling needs a map-style dataset (with __len__ and __getitem__), not an IterableDataset.")
+        raise TypeError(
+            "Poisson sampling needs a map-style dataset (with __len__ and __getitem__), not an IterableDataset."
+        )
     if dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
         raise ValueError(
             f"The train loader uses a custom batch_sampler ({type(dataloader.batch_sampler).__name__}); DP training "

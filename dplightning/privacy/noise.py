@@ -70,4 +70,6 @@ class GaussianNoise:
         if self.secure_mode:
             draws = _csprng_normal(4 * like.numel()).view(4, *like.shape).sum(0) / 2.0
             return (draws * std).to(device=like.device, dtype=like.dtype)
-        return torch.normal(0.0, std, like.shape, generator=self._generator(like.device), device=like.device, dtype=like.dtype)
+        return torch.normal(
+            0.0, std, like.shape, generator=self._generator(like.device), device=like.device, dtype=like.dtype
+        )

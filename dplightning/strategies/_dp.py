@@ -87,7 +87,9 @@ class _DPMixin:
         if clipping not in available_clipping():
             raise ValueError(f"Unknown clipping {clipping!r}; choose one of {available_clipping()}.")
         if grad_sample_mode not in available_grad_sample_modes():
-            raise ValueError(f"Unknown grad_sample_mode {grad_sample_mode!r}; choose one of {available_grad_sample_modes()}.")
+            raise ValueError(
+                f"Unknown grad_sample_mode {grad_sample_mode!r}; choose one of {available_grad_sample_modes()}."
+            )
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
         if noise_placement not in NOISE_PLACEMENTS:
@@ -367,7 +369,9 @@ class _DPMixin:
         in_optimizer = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         foreign = [p for p in in_optimizer if p not in names]
         if foreign:
-            raise ValueError(f"The optimizer holds {len(foreign)} trainable tensors that are not parameters of the module.")
+            raise ValueError(
+                f"The optimizer holds {len(foreign)} trainable tensors that are not parameters of the module."
+            )
         left_out = sorted(n for p, n in names.items() if p.requires_grad and p not in set(in_optimizer))
         if left_out:
             rank_zero_warn(f"Trainable parameters not in the optimizer get no gradient under DP: {left_out[:5]}...")
@@ -448,7 +452,11 @@ class _DPMixin:
         total = planned_steps(trainer, per_epoch)
         rank_zero_info(f"Calibrating σ for ε = {self.target_epsilon} over {total} steps ({self.accountant})...")
         effective = calibrate_noise_multiplier(
-            self.target_epsilon, self.delta, self._sample_rate, total, self.accountant  # type: ignore[arg-type]
+            self.target_epsilon,
+            self.delta,
+            self._sample_rate,
+            total,
+            self.accountant,  # type: ignore[arg-type]
         )
         # The ledger records σ_eff of everything released per step; the gradient gets what the releases leave.
         self._noise_multiplier = split_noise_multiplier(effective, self._step_releases.values())
@@ -529,7 +537,9 @@ class _DPMixin:
         assert self._noise_multiplier is not None and self._expected_batch_size is not None
         self._check_one_batch_per_release()
         self._noise.start_step(self.ledger.steps)
-        self._privatizer.release(self._noise, self._local_noise_std(), self._expected_batch_size, self._bucket_reducer())
+        self._privatizer.release(
+            self._noise, self._local_noise_std(), self._expected_batch_size, self._bucket_reducer()
+        )
         if self.poisson_sampling:
             self.ledger.step(self.accounted_noise_multiplier, self._sample_rate)  # type: ignore[arg-type]
         self.last_step_stats, self._step_stats = self._step_stats, []

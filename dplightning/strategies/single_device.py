@@ -97,5 +97,3 @@ class DPStrategy(_DPMixin, SingleDeviceStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="DP-SGD on one device, σ = 1, C = 1 (dplightning)", noise_multiplier=1.0
         )
-
-

@@ -43,7 +43,11 @@ def _run_nodes(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path)
 
 
 def _base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    }
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     return env
 

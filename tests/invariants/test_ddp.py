@@ -103,7 +103,9 @@ def test_tiny_rate_with_empty_local_batches_neither_hangs_nor_desyncs(tmp_path) 
 def test_resume_on_two_ranks_continues_epsilon_exactly(tmp_path) -> None:
     ckpt = str(tmp_path / "dp.ckpt")
     torch.manual_seed(0)
-    run_ddp(TinyModule(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=0.8, max_steps=5, save_to=ckpt)
+    run_ddp(
+        TinyModule(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=0.8, max_steps=5, save_to=ckpt
+    )
     ranks = run_ddp(TinyModule(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=0.8, max_steps=9,
                     ckpt_path=ckpt)  # fmt: skip
     reference = PRVAccountant()

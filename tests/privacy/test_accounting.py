@@ -34,7 +34,7 @@ def test_ledger_matches_opacus_after_stepping(name: str, cls: type) -> None:
 def test_epsilon_bound_is_an_upper_bound_exact_on_grid_points() -> None:
     ledger = PrivacyLedger("rdp", grid_ratio=1.5)
     seen_exact = 0
-    for step in range(1, 40):
+    for _ in range(1, 40):
         ledger.step(1.0, 0.05)
         bound = ledger.epsilon_bound(DELTA)
         exact = ledger.get_epsilon(DELTA)
@@ -85,7 +85,12 @@ def test_state_round_trip() -> None:
 def test_calibration_matches_opacus_and_meets_the_target(accountant: str) -> None:
     sigma = calibrate_noise_multiplier(2.0, DELTA, 0.05, 200, accountant)
     expected = get_noise_multiplier(
-        target_epsilon=2.0, target_delta=DELTA, sample_rate=0.05, steps=200, accountant=accountant, epsilon_tolerance=0.01
+        target_epsilon=2.0,
+        target_delta=DELTA,
+        sample_rate=0.05,
+        steps=200,
+        accountant=accountant,
+        epsilon_tolerance=0.01,
     )
     assert sigma == pytest.approx(expected)
     assert compute_epsilon([(sigma, 0.05, 200)], DELTA, accountant) <= 2.0

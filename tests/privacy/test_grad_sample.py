@@ -28,11 +28,31 @@ def _cases() -> dict[str, tuple[nn.Module, torch.Tensor, int]]:
     n = 7
     return {
         "linear": (nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)), torch.randn(n, 5, generator=g), 3),
-        "conv2d": (nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), Pool(), nn.Linear(3 * 4 * 4, 3)), torch.randn(n, 2, 6, 6, generator=g), 3),
-        "embedding": (nn.Sequential(nn.Embedding(11, 4), TokenMean(), nn.Linear(4, 3)), torch.randint(0, 11, (n, 5), generator=g), 3),
-        "layernorm": (nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, 3)), torch.randn(n, 5, generator=g), 3),
-        "groupnorm": (nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), Pool(), nn.Linear(4 * 16, 3)), torch.randn(n, 2, 6, 6, generator=g), 3),
-        "hf_conv1d": (nn.Sequential(Conv1D(6, 5), nn.Tanh(), TokenMean(), Conv1D(3, 6)), torch.randn(n, 4, 5, generator=g), 3),
+        "conv2d": (
+            nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), Pool(), nn.Linear(3 * 4 * 4, 3)),
+            torch.randn(n, 2, 6, 6, generator=g),
+            3,
+        ),
+        "embedding": (
+            nn.Sequential(nn.Embedding(11, 4), TokenMean(), nn.Linear(4, 3)),
+            torch.randint(0, 11, (n, 5), generator=g),
+            3,
+        ),
+        "layernorm": (
+            nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, 3)),
+            torch.randn(n, 5, generator=g),
+            3,
+        ),
+        "groupnorm": (
+            nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), Pool(), nn.Linear(4 * 16, 3)),
+            torch.randn(n, 2, 6, 6, generator=g),
+            3,
+        ),
+        "hf_conv1d": (
+            nn.Sequential(Conv1D(6, 5), nn.Tanh(), TokenMean(), Conv1D(3, 6)),
+            torch.randn(n, 4, 5, generator=g),
+            3,
+        ),
     }
 
 

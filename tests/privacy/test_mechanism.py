@@ -106,4 +106,6 @@ def test_published_norms_are_the_per_example_norms() -> None:
     names = [n for n, _ in net.named_parameters()]
     expected_sq = torch.stack([(2.0 * grads[n]).flatten(1).pow(2).sum(1) for n in names], dim=1)
     torch.testing.assert_close(stats.param_sq_norms, expected_sq)
-    torch.testing.assert_close(stats.norms, torch.stack([expected_sq[:, :2].sum(1), expected_sq[:, 2:].sum(1)], 1).sqrt())
+    torch.testing.assert_close(
+        stats.norms, torch.stack([expected_sq[:, :2].sum(1), expected_sq[:, 2:].sum(1)], 1).sqrt()
+    )

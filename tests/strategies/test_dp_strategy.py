@@ -13,7 +13,17 @@ from torch import nn
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
 import dplightning
-from tests.helpers import ACCELERATOR, ManualModule, Scale, TinyModule, dp, loader, make_dataset, make_trainer, params_of
+from tests.helpers import (
+    ACCELERATOR,
+    ManualModule,
+    Scale,
+    TinyModule,
+    dp,
+    loader,
+    make_dataset,
+    make_trainer,
+    params_of,
+)
 
 N, BATCH = 64, 16
 
@@ -149,7 +159,9 @@ def test_resuming_a_non_dp_checkpoint_is_refused(tmp_path) -> None:
     plain.fit(TinyModule(), loader(make_dataset(N), BATCH))
     plain.save_checkpoint(tmp_path / "plain.ckpt")
     with pytest.raises(ValueError, match="no privacy ledger"):
-        make_trainer(dp(), max_steps=2).fit(TinyModule(), loader(make_dataset(N), BATCH), ckpt_path=tmp_path / "plain.ckpt")
+        make_trainer(dp(), max_steps=2).fit(
+            TinyModule(), loader(make_dataset(N), BATCH), ckpt_path=tmp_path / "plain.ckpt"
+        )
 
 
 # ------------------------------------------------------------------ warnings
@@ -264,5 +276,3 @@ def test_poisson_sampling_off_reports_infinite_epsilon() -> None:
 def test_epsilon_is_in_the_logged_metrics() -> None:
     trainer = _fit(strategy=dp(noise_multiplier=1.0), max_steps=3)
     assert trainer.progress_bar_metrics["epsilon"] >= trainer.strategy.get_epsilon()
-
-

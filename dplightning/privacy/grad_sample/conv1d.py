@@ -11,7 +11,9 @@ import torch
 from torch import Tensor, nn
 
 
-def compute_conv1d_grad_sample(layer: nn.Module, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+def compute_conv1d_grad_sample(
+    layer: nn.Module, activations: list[Tensor], backprops: Tensor
+) -> dict[nn.Parameter, Tensor]:
     """Per-example ``[n, in, out]`` weight and ``[n, out]`` bias gradients of a ``Conv1D``.
 
     Args:

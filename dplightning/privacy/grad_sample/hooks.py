@@ -26,7 +26,9 @@ from dplightning.privacy.grad_sample.validation import mixing_modules, modules_w
 
 # Full backward hooks on the first layer trigger this torch warning on every run; it
 # concerns the input (which needs no gradient), not the parameters' per-example gradients.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
+warnings.filterwarnings(
+    "ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs"
+)
 
 GradSampler = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
 
