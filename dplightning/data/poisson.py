@@ -10,12 +10,10 @@ included: every rank yields the same number of batches, so no rank waits for ano
 from __future__ import annotations
 
 import math
-import os
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
@@ -30,7 +28,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from dplightning.privacy.noise import derive_seed
+from dplightning.privacy.noise import csprng_uniform, derive_seed
 
 _ACCEPTED_SAMPLERS = (RandomSampler, SequentialSampler, DistributedSampler)
 
@@ -91,8 +89,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def _uniforms(self, count: int, generator: torch.Generator) -> Tensor:
         """``count`` uniforms in (0, 1], float64, from the generator or the OS CSPRNG."""
         if self.secure_mode:
-            raw = np.frombuffer(os.urandom(8 * count), dtype=np.uint64)
-            return torch.from_numpy(((raw >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53)
+            return torch.from_numpy(csprng_uniform(count))
         return 1.0 - torch.rand(count, generator=generator, dtype=torch.float64)
 
     def _sample(self, generator: torch.Generator) -> Tensor:

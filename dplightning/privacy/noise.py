@@ -25,10 +25,15 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def csprng_uniform(count: int) -> np.ndarray:
+    """``count`` float64 uniforms in (0, 1] from the OS CSPRNG (53 random bits each)."""
+    raw = np.frombuffer(os.urandom(8 * count), dtype=np.uint64)
+    return ((raw >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
+
+
 def _csprng_normal(numel: int) -> Tensor:
     """Standard normals from the OS CSPRNG (Box–Muller in float64)."""
-    u = np.frombuffer(os.urandom(16 * numel), dtype=np.uint64).reshape(2, numel)
-    u1, u2 = ((u >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # in (0, 1]
+    u1, u2 = csprng_uniform(2 * numel).reshape(2, numel)
     return torch.from_numpy(np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2))
 
 

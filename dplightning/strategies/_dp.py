@@ -404,7 +404,7 @@ class _DPMixin:
     # ------------------------------------------------------------------ data
 
     def _dp_process_dataloader(self, dataloader: object) -> object:
-        trainer = getattr(self, "_trainer", None)
+        trainer = self._trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         if not isinstance(dataloader, DataLoader):
