@@ -61,8 +61,12 @@ RUNNERS = {
     "lightning": "Lightning strategy='auto' (no DP)",
     "opacus": "Opacus make_private + plain loop",
     "dplightning": "dplightning DPStrategy",
+    "dplightning_verified": "dplightning, verify_gradients=always",
 }
-RATIOS = (("dplightning", "lightning"), ("dplightning", "opacus"), ("opacus", "plain"), ("lightning", "plain"))
+RATIOS = (
+    ("dplightning", "lightning"), ("dplightning", "opacus"), ("opacus", "plain"), ("lightning", "plain"),
+    ("dplightning_verified", "dplightning"),
+)  # fmt: skip
 # (title, summary key, format) of the printed table.
 COLUMNS = (
     ("median ms", "median_ms", ".1f"), ("mean ms", "mean_ms", ".1f"), ("stdev ms", "stdev_ms", ".1f"),
@@ -149,8 +153,12 @@ def _train(runner: str, net: nn.Module, loader: DataLoader, steps: int, planned:
     """Train ``steps`` steps (and one more start to close the last gap) with ``runner``."""
     if runner == "lightning":
         return _fit(net, loader, steps, planned, "auto")
-    if runner == "dplightning":
-        strategy = dplightning.DPStrategy(noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM)
+    if runner.startswith("dplightning"):
+        # The default checks gradients on the first steps only (warm-up here); the variant on every step.
+        verify = "always" if runner == "dplightning_verified" else "first_steps"
+        strategy = dplightning.DPStrategy(
+            noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, verify_gradients=verify
+        )
         return _fit(net, loader, steps, planned, strategy)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     if runner == "opacus":
@@ -271,7 +279,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per runner, interleaved")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
     parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--runners", nargs="+", choices=list(RUNNERS), default=list(RUNNERS))
+    parser.add_argument(
+        "--runners", nargs="+", choices=list(RUNNERS), default=[r for r in RUNNERS if r != "dplightning_verified"]
+    )
     parser.add_argument("--max-other-cpu", type=float, default=5.0, help="retry a repeat above this %% (100 = never)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat of 5 steps after 2 warm-up")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_overhead_cpu.json"))

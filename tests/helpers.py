@@ -184,6 +184,7 @@ def run_ddp(
     """Fit on ``world`` spawned CPU/gloo ranks; return every rank's :class:`DumpRankState` record."""
     strategy_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _DP_ARGS}
     strategy_kwargs.setdefault("noise_multiplier", 0.0)
+    strategy_kwargs = {k: v for k, v in strategy_kwargs.items() if v is not None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         strategy = dplightning.DPDDPStrategy(start_method="spawn", **strategy_kwargs)
@@ -207,4 +208,5 @@ _DP_ARGS = {
     "noise_placement",
     "bucket_cap_mb",
     "poisson_sampling",
+    "timeout",
 }

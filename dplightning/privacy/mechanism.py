@@ -9,6 +9,7 @@ batch size and writes the result to ``p.grad``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -123,11 +124,11 @@ class GradientPrivatizer:
         for j, p in enumerate(self.params):
             if p in grad_samples:
                 # vector_norm reduces in fp32 without a squared (or upcast) copy of the grad sample
-                sq[:, j] = torch.linalg.vector_norm(grad_samples[p].reshape(n, -1), dim=1, dtype=torch.float32).square()
+                sq[:, j] = torch.linalg.vector_norm(grad_samples[p].flatten(1), dim=1, dtype=torch.float32).square()
         return sq
 
     def _add_clipped(self, p: nn.Parameter, gs: Tensor, factors: Tensor, finite: Tensor | None) -> None:
-        flat = gs.reshape(gs.shape[0], -1).float()
+        flat = gs.flatten(1).float()
         if finite is not None:  # 0 * inf would be nan: drop non-finite rows outright
             flat = torch.where(finite.unsqueeze(1), flat, torch.zeros_like(flat))
         self._slots[p].view(self.buckets).view(-1).add_(factors @ flat)
@@ -167,3 +168,47 @@ class GradientPrivatizer:
             view = slot.view(self.buckets)
             p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
         self._released = True
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def verify_per_example_sum(
+    params: Sequence[nn.Parameter], grad_samples: dict[nn.Parameter, Tensor], per_row: float = 1.0
+) -> list[tuple[nn.Parameter, float]]:
+    """Parameters whose autograd gradient ``p.grad`` is not ``per_row`` x the sum of their per-example gradients.
+
+    The tolerance is relative to s_p = ‖p.grad‖ + per_row · Σ_i ‖g_i‖, which bounds the
+    rounding error of either sum: 1e-3 in fp32, 5e-2 when either side is in 16-bit, times
+    max(s_p, 10⁻³·‖s‖) so that a parameter whose gradient is zero up to rounding (a key bias
+    under softmax) is not judged by its own noise. Parameters with a non-finite side are
+    skipped (their examples are dropped and counted by the mechanism).
+
+    Returns:
+        ``(parameter, relative error)`` for each mismatch, in ``params`` order.
+    """
+    checked: list[nn.Parameter] = []
+    errors: list[Tensor] = []
+    scales: list[Tensor] = []
+    tolerances: list[float] = []
+    for p in params:
+        gs, grad = grad_samples.get(p), p.grad
+        if gs is None and grad is None:
+            continue
+        expected = gs.sum(0).float() * per_row if gs is not None else torch.zeros(p.shape, device=p.device)
+        actual = grad.float() if grad is not None else torch.zeros_like(expected)
+        spread = gs.flatten(1).float().norm(dim=1).sum() * per_row if gs is not None else actual.new_zeros(())
+        low = (gs is not None and gs.dtype in _LOW_PRECISION) or (grad is not None and grad.dtype in _LOW_PRECISION)
+        checked.append(p)
+        errors.append(torch.linalg.vector_norm(actual - expected))
+        scales.append(torch.linalg.vector_norm(actual) + spread)
+        tolerances.append(5e-2 if low else 1e-3)
+    if not checked:
+        return []
+    err, scale = torch.stack(errors).tolist(), torch.stack(scales).tolist()  # one device sync for all parameters
+    floor = 1e-3 * math.sqrt(math.fsum(s * s for s in scale if math.isfinite(s)))
+    return [
+        (p, e / max(s, floor))
+        for p, e, s, tol in zip(checked, err, scale, tolerances)
+        if math.isfinite(e) and math.isfinite(s) and e > tol * max(s, floor)
+    ]

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -37,16 +38,25 @@ from dplightning.privacy.accounting import (
     calibrate_noise_multiplier,
     check_accountant,
     combined_noise_multiplier,
+    compute_epsilon,
     split_noise_multiplier,
 )
 from dplightning.privacy.clipping import ClipGroup, available_clipping, make_clip_groups
 from dplightning.privacy.grad_sample import available_grad_sample_modes, make_grad_sample_backend
 from dplightning.privacy.grad_sample.backend import GradSampleBackend
-from dplightning.privacy.mechanism import BucketReducer, GradientPrivatizer, MicroBatchStats
+from dplightning.privacy.grad_sample.validation import warn_on_batch_mean_loss
+from dplightning.privacy.mechanism import BucketReducer, GradientPrivatizer, MicroBatchStats, verify_per_example_sum
 from dplightning.privacy.noise import GaussianNoise
 from dplightning.strategies._progress import _EpsilonProgress
 
 CHECKPOINT_KEY = "dplightning"
+VERIFY_GRADIENTS = {
+    "first_steps": "the first steps with data, and the first steps after the trainable parameters change",
+    "always": "every backward pass",
+    "never": "no check",
+}
+_VERIFIED_STEPS = 2
+"""Steps with a non-empty batch that ``verify_gradients="first_steps"`` checks after each (re)planning."""
 NOISE_PLACEMENTS = {
     "rank0": "rank 0 adds N(0, (σΔ)²); the other ranks add none",
     "split": "every rank adds N(0, (σΔ)²/W) from its own generator; the variances sum to (σΔ)²",
@@ -78,6 +88,7 @@ class _DPMixin:
         bucket_cap_mb: float,
         seed: int | None,
         noise_placement: str = "rank0",
+        verify_gradients: str = "first_steps",
     ) -> None:
         _check_noise_arguments(noise_multiplier, target_epsilon, poisson_sampling)
         if not max_grad_norm > 0 or not math.isfinite(max_grad_norm):
@@ -94,6 +105,11 @@ class _DPMixin:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
         if noise_placement not in NOISE_PLACEMENTS:
             raise ValueError(f"Unknown noise_placement {noise_placement!r}; choose one of {sorted(NOISE_PLACEMENTS)}.")
+        if verify_gradients not in VERIFY_GRADIENTS:
+            raise ValueError(
+                f"Unknown verify_gradients {verify_gradients!r}; choose one of {sorted(VERIFY_GRADIENTS)}."
+            )
+        self.verify_gradients = verify_gradients
         self.noise_placement = noise_placement
         self._trainer: pl.Trainer | None = None
         self.target_epsilon = target_epsilon
@@ -117,8 +133,16 @@ class _DPMixin:
         self._privatizer: GradientPrivatizer | None = None
         self._noise: GaussianNoise | None = None
         self._resume_state: dict[str, Any] | None = None
+        self._resumed_sampling: tuple[float | None, int | None] | None = None
         self._batch_rows: int | None = None
         self._batches_since_release = 0
+        self._closure_calls = 0
+        self._pending: dict[nn.Parameter, Tensor] = {}
+        """Manual optimization: per-example gradients summed over the backward passes of one batch."""
+        self._plan_signature: tuple[int, ...] = ()
+        self._verify_steps = 0
+        self._verified_rows = False
+        self._extra_handles: list[Any] = []
         self._step_stats: list[MicroBatchStats] = []
         self.last_step_stats: list[MicroBatchStats] = []
         """Per-backward statistics of the last optimizer step (raw norms: NOT private)."""
@@ -284,6 +308,7 @@ class _DPMixin:
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        self._closure_calls = 0
         return super().optimizer_step(optimizer, self._wrap_closure(closure), model, **kwargs)  # type: ignore[misc]
 
     @override
@@ -296,6 +321,11 @@ class _DPMixin:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         self._dp_on_load(checkpoint)
         return checkpoint
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        self._check_one_train_loader()
 
     @override
     def on_train_end(self) -> None:
@@ -338,18 +368,50 @@ class _DPMixin:
         self._trainer = trainer
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        optimizer = self._single_optimizer()
-        named = self._privatized_parameters(optimizer)
+        self._plan()
         module = self.lightning_module
         assert module is not None
-        self._backend = make_grad_sample_backend(self.grad_sample_mode, module, self.loss_reduction)
-        groups = make_clip_groups(self.clipping, named, self.max_grad_norm)
-        self._privatizer = GradientPrivatizer(groups, bucket_cap_mb=self.bucket_cap_mb)
+        capturing = lambda: self._backend is not None and self._backend.capturing  # noqa: E731
+        self._extra_handles = warn_on_batch_mean_loss(module, capturing)
         self._noise = GaussianNoise(self.seed, rank=self.global_rank, secure_mode=self.secure_mode)
         self._restore_dp_state(trainer)
         # A callback with `shows_epsilon = True` (e.g. dplightning.callbacks.PrivacyBudget) logs ε itself.
         if not any(getattr(cb, "shows_epsilon", False) for cb in trainer.callbacks):
             trainer.callbacks.append(_EpsilonProgress())
+
+    def _plan(self) -> None:
+        """Hook the layers of the trainable parameters and lay out their buckets.
+
+        Runs at setup and again at the start of any step where the optimizer's trainable
+        parameters differ from the planned ones (e.g. a callback unfreezing a backbone).
+        """
+        optimizer = self._single_optimizer()
+        named = self._privatized_parameters(optimizer)
+        module = self.lightning_module
+        assert module is not None
+        if self._backend is not None:
+            self._backend.close()
+        self._backend = make_grad_sample_backend(self.grad_sample_mode, module, self.loss_reduction)
+        self._backend.capturing = False
+        groups = make_clip_groups(self.clipping, named, self.max_grad_norm)
+        self._privatizer = GradientPrivatizer(groups, bucket_cap_mb=self.bucket_cap_mb)
+        self._plan_signature = self._trainable_signature(optimizer)
+        self._verify_steps = _VERIFIED_STEPS if self.verify_gradients == "first_steps" else 0
+
+    @staticmethod
+    def _trainable_signature(optimizer: Optimizer) -> tuple[int, ...]:
+        return tuple(id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
+
+    def _replan_if_trainable_changed(self) -> None:
+        optimizer = self._single_optimizer()
+        if self._trainable_signature(optimizer) == self._plan_signature:
+            return
+        before = len(self._plan_signature)
+        self._plan()
+        rank_zero_info(
+            f"The trainable parameters changed at step {self.ledger.steps} ({before} -> "
+            f"{len(self._plan_signature)} tensors): per-example hooks and buckets re-planned."
+        )
 
     def _single_optimizer(self) -> Optimizer:
         if len(self.optimizers) != 1:
@@ -388,6 +450,7 @@ class _DPMixin:
                 )
             return
         self.ledger.load_state_dict(state["ledger"])
+        self._resumed_sampling = (state.get("sample_rate"), state.get("num_samples"))
         if self.target_epsilon is not None and state.get("noise_multiplier") is not None:
             self._noise_multiplier = float(state["noise_multiplier"])  # keep the σ the run was calibrated with
         if self._delta is None and state.get("delta") is not None:
@@ -397,9 +460,13 @@ class _DPMixin:
     def _dp_teardown(self) -> None:
         if self._backend is not None:
             self._backend.close()
+        for handle in self._extra_handles:
+            handle.remove()
+        self._extra_handles = []
         self._backend = None
         self._privatizer = None
         self._step_stats = []
+        self._pending = {}
 
     # ------------------------------------------------------------------ data
 
@@ -411,6 +478,7 @@ class _DPMixin:
             raise TypeError(f"DP training needs a torch DataLoader as train loader, got {type(dataloader).__name__}.")
         n = len(dataloader.dataset)  # type: ignore[arg-type]
         k = trainer.accumulate_grad_batches
+        self._check_same_on_every_rank(dataloader, num_samples=n, batch_size=dataloader.batch_size or 0)
         if not self.poisson_sampling:
             self._set_sampling(n, dataloader.batch_size * self.world_size / n)  # type: ignore[operator]
             return dataloader
@@ -426,12 +494,64 @@ class _DPMixin:
             seed=self.seed,
             secure_mode=self.secure_mode,
         )
-        per_epoch = loader.batch_sampler.steps_per_epoch
+        per_epoch = steps_per_epoch_run(trainer, len(loader))
+        self._check_resumed_sampling()
         if self._noise_multiplier is None:
             self._calibrate(trainer, per_epoch)
+        elif self.target_epsilon is not None and self.ledger.steps:
+            self._warn_if_resumed_run_overspends(trainer, per_epoch)
         if _finite_run(trainer):  # ε for the progress bar: about 100 accountant calls per run, not one per step
             self.ledger.grid_min_gap = max(1, planned_steps(trainer, per_epoch) // 100)
         return loader
+
+    def _check_same_on_every_rank(self, dataloader: DataLoader, **values: int) -> None:
+        """Raise on every rank if the ranks disagree on ``values`` (a multi-process strategy checks)."""
+
+    def _check_one_train_loader(self) -> None:
+        trainer = self._trainer
+        if trainer is None or self._privatizer is None:
+            return
+        loaders, _ = tree_flatten(trainer.train_dataloader)
+        if len(loaders) > 1:
+            raise ValueError(
+                f"DP training takes exactly one train loader, got {len(loaders)} (a list, dict or CombinedLoader). "
+                "Each loader would be a separate Poisson sample with its own q, N and δ, and the ledger accounts "
+                "one. Concatenate the data sets into one (torch.utils.data.ConcatDataset) instead."
+            )
+
+    def _check_resumed_sampling(self) -> None:
+        resumed, self._resumed_sampling = self._resumed_sampling, None
+        if resumed is None:
+            return
+        old_q, old_n = resumed
+        if old_q is None or (old_q == self._sample_rate and old_n == self._num_samples):
+            return
+        change = (
+            f"This run resumes a checkpoint that sampled at q = {old_q:.4g} from N = {old_n} examples; now "
+            f"q = {self._sample_rate:.4g} from N = {self._num_samples} (another world size, batch size or data set)."
+        )
+        if self.target_epsilon is not None:
+            raise ValueError(
+                f"{change} σ = {self._noise_multiplier:.4g} was calibrated for target_epsilon = {self.target_epsilon} "
+                "at the old q, so the budget would be overspent. Resume with the same world size, batch size and "
+                "data set, or continue with an explicit noise_multiplier (ε is then accounted at the new q)."
+            )
+        rank_zero_warn(f"{change} The ledger accounts the new q from here on; ε stays exact.")
+
+    def _warn_if_resumed_run_overspends(self, trainer: pl.Trainer, per_epoch: int) -> None:
+        assert self.target_epsilon is not None and self._sample_rate is not None
+        remaining = planned_steps(trainer, per_epoch) - self.ledger.steps
+        if remaining <= 0 or self.delta is None:
+            return
+        segment = (self.accounted_noise_multiplier, self._sample_rate, remaining)
+        projected = compute_epsilon([*self.ledger.history, segment], self.delta, self.accountant)
+        if projected > self.target_epsilon:
+            rank_zero_warn(
+                f"The resumed run keeps σ = {self._noise_multiplier:.4g}, calibrated for target_epsilon = "
+                f"{self.target_epsilon} over the original run, but now plans {remaining} more steps: it will end at "
+                f"ε = {projected:.4g} > {self.target_epsilon}. The reported ε stays exact; add "
+                "dplightning.callbacks.PrivacyBudget to stop at the budget, or keep max_steps / max_epochs."
+            )
 
     def _set_sampling(self, num_samples: int, sample_rate: float) -> None:
         if not 0 < sample_rate <= 1:
@@ -466,21 +586,56 @@ class _DPMixin:
     # ------------------------------------------------------------------ the step
 
     def _dp_training_step(self, run: Callable[[], Any], batch: Any) -> Any:
-        self._batch_rows = batch_rows(batch)
-        self._batches_since_release += 1
+        if self._privatizer is None or self._backend is None:
+            return run()
         module = self.lightning_module
         assert module is not None
-        if self._privatizer is not None and self._batch_rows == 0 and module.automatic_optimization:
-            # An empty Poisson batch: nothing to differentiate, but the step (and its noise) still happens.
-            return torch.zeros((), device=self.root_device, requires_grad=True)
-        return run()
+        if self._batches_since_release == 0:
+            self._replan_if_trainable_changed()
+        if self._pending:
+            raise RuntimeError(
+                "Under DP, manual optimization must call opt.step() exactly once per training batch, after its "
+                "backward passes; the previous batch ran manual_backward without an opt.step() after it."
+            )
+        self._batch_rows = batch_rows(batch)
+        self._batches_since_release += 1
+        # Empty Poisson batches run training_step too: under dp_ddp every rank must reach the same
+        # collectives (self.log(sync_dist=True), all_gather, metric syncs) whatever its local batch.
+        try:
+            with self._backend.capture(self._batch_rows):
+                return run()
+        except Exception as err:
+            if self._batch_rows == 0:
+                raise RuntimeError(
+                    "training_step failed on an empty batch (0 rows). Poisson sampling makes empty batches (each "
+                    "example joins with probability q), and every rank runs training_step on them so that the "
+                    "ranks stay in lock-step. Make the step cope with zero rows, e.g. reduce the loss as "
+                    "sum / max(n, 1)."
+                ) from err
+            raise
 
     def _dp_post_backward(self) -> None:
         if self._privatizer is None or self._backend is None:
             return
         module = self.lightning_module
-        assert module is not None and self._trainer is not None
+        assert module is not None
         grads = self._backend.pop(self._privatizer.params)
+        if self.verify_gradients == "always" or self._verify_steps > 0:
+            self._verify(grads)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.grad = None  # the raw sum is not private; only the released gradient may reach the optimizer
+        if module.automatic_optimization:
+            self._accumulate(grads)  # one backward pass per micro-batch: its examples are complete
+        else:
+            # Several backward passes over one batch: sum each example's gradient before clipping it once.
+            for p, gs in grads.items():
+                self._pending[p] = self._pending[p] + gs if p in self._pending else gs
+
+    def _accumulate(self, grads: dict[nn.Parameter, Tensor]) -> None:
+        assert self._privatizer is not None and self._trainer is not None
+        module = self.lightning_module
+        assert module is not None
         scale = float(self._trainer.accumulate_grad_batches) if module.automatic_optimization else 1.0
         stats = self._privatizer.accumulate(grads, scale=scale)
         rows = stats.norms.shape[0]
@@ -491,15 +646,46 @@ class _DPMixin:
             )
         self.nonfinite_examples += stats.nonfinite
         self._step_stats.append(stats)
-        for p in module.parameters():
-            if p.requires_grad:
-                p.grad = None  # the raw sum is not private; only the released gradient may reach the optimizer
+
+    def _verify(self, grads: dict[nn.Parameter, Tensor]) -> None:
+        """Refuse to train if autograd's gradient is not the sum of the per-example gradients.
+
+        A contribution that bypasses the per-example hooks (a weight used outside its layer's
+        forward, a layer the hooks pair wrongly) would otherwise be dropped silently.
+        """
+        assert self._privatizer is not None
+        rows = self._batch_rows or 0
+        mismatched = verify_per_example_sum(self._privatizer.params, grads, self._per_row_factor(rows))
+        if rows:
+            self._verified_rows = True
+        if mismatched:
+            names = {p: n for n, p in self.lightning_module.named_parameters()}  # type: ignore[union-attr]
+            listed = ", ".join(f"{names.get(p, '?')} (relative error {err:.2g})" for p, err in mismatched[:8])
+            raise RuntimeError(
+                f"Autograd's gradient differs from the sum of the per-example gradients for: {listed}. Part of these "
+                "parameters' gradient bypasses the per-example hooks, so it could not be clipped per example: a "
+                "weight used outside its own module's forward (F.linear(h, emb.weight), a penalty on a weight in "
+                "training_step), or a custom autograd path. Use the weight through its module (tie it to an "
+                "nn.Linear), move weight penalties into the optimizer (weight_decay), or freeze it. "
+                "(verify_gradients='never' turns this check off.)"
+            )
+
+    def _per_row_factor(self, rows: int) -> float:
+        """Factor from the per-example gradients' sum to autograd's gradient of one backward pass."""
+        return 1.0 / rows if self.loss_reduction == "mean" and rows else 1.0
 
     def _wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         if self._privatizer is None:
             return closure
 
         def private_closure() -> Any:
+            self._closure_calls += 1
+            if self._closure_calls > 1:
+                raise RuntimeError(
+                    "The optimizer evaluated its closure a second time within one step (SAM, extragradient, line "
+                    "searches do). Each evaluation would release a fresh noisy gradient of the same Poisson batch, "
+                    "which the accountant charges as one step. Use an optimizer that evaluates the closure once."
+                )
             result = closure()
             self._privatize()
             return result
@@ -536,6 +722,12 @@ class _DPMixin:
         assert self._privatizer is not None and self._noise is not None
         assert self._noise_multiplier is not None and self._expected_batch_size is not None
         self._check_one_batch_per_release()
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            self._accumulate(pending)
+        if self._verify_steps and self._verified_rows:
+            self._verify_steps -= 1
+        self._verified_rows = False
         self._noise.start_step(self.ledger.steps)
         self._privatizer.release(
             self._noise, self._local_noise_std(), self._expected_batch_size, self._bucket_reducer()
@@ -588,14 +780,28 @@ def _finite_run(trainer: pl.Trainer) -> bool:
     return (epochs is not None and epochs >= 0) or (steps is not None and steps >= 0)
 
 
+def steps_per_epoch_run(trainer: pl.Trainer, batches: int) -> int:
+    """Optimizer steps Lightning runs per epoch of a loader of ``batches`` batches (k micro-batches each).
+
+    Raises:
+        ValueError: If ``limit_train_batches`` leaves a partial accumulation at the end of an epoch:
+            Lightning would step on it, releasing part of one Poisson batch as if it were a whole one.
+    """
+    limit, k = trainer.limit_train_batches, trainer.accumulate_grad_batches
+    run = min(batches, limit) if isinstance(limit, int) else int(batches * limit)  # as Lightning counts them
+    if run % k:
+        whole = run // k * k
+        raise ValueError(
+            f"limit_train_batches={limit} runs {run} batches per epoch, which is not a multiple of "
+            f"accumulate_grad_batches={k}: Lightning would take an optimizer step on the last {run % k} micro-batches "
+            "alone, a part of one Poisson batch that the accountant does not cover. Use "
+            f"limit_train_batches={whole or k} or {whole + k} (a multiple of {k})."
+        )
+    return run // k
+
+
 def planned_steps(trainer: pl.Trainer, per_epoch: int) -> int:
     """Optimizer steps the run will take: ``min(max_steps, max_epochs x steps per epoch)``."""
-    limit = trainer.limit_train_batches
-    k = trainer.accumulate_grad_batches
-    if isinstance(limit, int):
-        per_epoch = min(per_epoch, max(limit // k, 1))
-    elif limit is not None:
-        per_epoch = max(int(per_epoch * limit), 1)
     epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else math.inf
     max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else math.inf
     total = min(max_steps, epochs * per_epoch)

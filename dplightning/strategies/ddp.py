@@ -19,7 +19,9 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from dplightning.privacy.mechanism import BucketReducer
@@ -52,6 +54,10 @@ class DPDDPStrategy(_DPMixin, DDPStrategy):
         noise_placement: ``"rank0"`` (default): rank 0 adds all the noise, so a test can
             regenerate it exactly; ``"split"``: each rank adds N(0, (σΔ)²/W) from its own
             generator, which balances the work of drawing noise for large models.
+        verify_gradients: Check that autograd's gradient equals the sum of the per-example
+            gradients, and refuse to train if not (a contribution escaped the per-example
+            hooks): ``"first_steps"`` (default: the first steps with data, and again after
+            the trainable parameters change), ``"always"`` or ``"never"``.
         accelerator: Lightning's argument.
         parallel_devices: Lightning's argument.
         cluster_environment: Lightning's argument.
@@ -79,6 +85,7 @@ class DPDDPStrategy(_DPMixin, DDPStrategy):
         bucket_cap_mb: float = 25.0,
         seed: int | None = None,
         noise_placement: str = "rank0",
+        verify_gradients: str = "first_steps",
         accelerator: Any | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -100,7 +107,7 @@ class DPDDPStrategy(_DPMixin, DDPStrategy):
         )
         self._dp_init(
             noise_multiplier, target_epsilon, max_grad_norm, delta, accountant, clipping, poisson_sampling,
-            secure_mode, loss_reduction, grad_sample_mode, bucket_cap_mb, seed, noise_placement,
+            secure_mode, loss_reduction, grad_sample_mode, bucket_cap_mb, seed, noise_placement, verify_gradients,
         )  # fmt: skip
 
     @override
@@ -108,6 +115,28 @@ class DPDDPStrategy(_DPMixin, DDPStrategy):
         # No DistributedDataParallel: start every rank from rank 0's parameters and buffers.
         assert self.model is not None
         _sync_module_states(self.model)
+
+    @override
+    def _check_same_on_every_rank(self, dataloader: DataLoader, **values: int) -> None:
+        if self.world_size == 1:
+            return
+        if not isinstance(dataloader.sampler, DistributedSampler):
+            rank_zero_warn(
+                "The train loader has no DistributedSampler (use_distributed_sampler=False?). dplightning shards the "
+                "training set itself (example i goes to rank i mod W) and takes N = len(dataset) for q and δ, so "
+                "every rank must be given the whole training set, not a shard of its own."
+            )
+        local = torch.tensor(list(values.values()), dtype=torch.float64, device=self.root_device)
+        high, low = local.clone(), -local
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MAX)
+        differ = [name for name, h, lo in zip(values, high.tolist(), (-low).tolist()) if h != lo]
+        if differ:
+            raise ValueError(
+                f"The ranks' train loaders disagree on {differ} (this rank: {values}). Every rank must be given the "
+                "same whole training set and batch size: dplightning shards the data itself and needs one N and "
+                "one q for the accountant. Pass the full data set on every rank (pre-sharded data is not supported)."
+            )
 
     @override
     def _bucket_reducer(self) -> BucketReducer | None:

@@ -45,6 +45,10 @@ class DPStrategy(_DPMixin, SingleDeviceStrategy):
         bucket_cap_mb: Size of the fp32 buckets the clipped sum is kept in.
         seed: FOR TESTS ONLY. Noise and sampling seeds otherwise come from OS entropy;
             a seed lets whoever knows it subtract the noise.
+        verify_gradients: Check that autograd's gradient equals the sum of the per-example
+            gradients, and refuse to train if not (a contribution escaped the per-example
+            hooks): ``"first_steps"`` (default: the first steps with data, and again after
+            the trainable parameters change), ``"always"`` or ``"never"``.
         device: The device; by default the Trainer's (``accelerator``/``devices``).
     """
 
@@ -64,6 +68,7 @@ class DPStrategy(_DPMixin, SingleDeviceStrategy):
         grad_sample_mode: str = "hooks",
         bucket_cap_mb: float = 25.0,
         seed: int | None = None,
+        verify_gradients: str = "first_steps",
         device: str | torch.device | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -75,6 +80,7 @@ class DPStrategy(_DPMixin, SingleDeviceStrategy):
         self._dp_init(
             noise_multiplier, target_epsilon, max_grad_norm, delta, accountant, clipping,
             poisson_sampling, secure_mode, loss_reduction, grad_sample_mode, bucket_cap_mb, seed,
+            verify_gradients=verify_gradients,
         )  # fmt: skip
 
     @property

@@ -7,6 +7,7 @@ compares ranks with each other and with single-process references.
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ import torch.nn.functional as F
 from opacus.accountants import PRVAccountant
 from torch import nn
 
+import dplightning
 from dplightning.privacy.noise import GaussianNoise
-from tests.helpers import ManualModule, TinyModule, loader, make_dataset, mlp, params_of, run_ddp
+from tests.helpers import ManualModule, TinyModule, loader, make_dataset, make_trainer, mlp, params_of, run_ddp
 from tests.reference import clipped_sum, per_example_grads
 
 pytestmark = pytest.mark.timeout(240)
@@ -114,3 +116,45 @@ def test_resume_on_two_ranks_continues_epsilon_exactly(tmp_path) -> None:
     for r in ranks:
         assert r["steps"] == 9 and r["history"] == ((0.8, B / N, 9),)
         assert r["epsilon"] == pytest.approx(expected, rel=1e-12)
+
+
+class _SyncedLog(TinyModule):
+    """Logs with ``sync_dist=True`` from ``training_step``: a collective every rank must reach."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.batches.append((x.detach().cpu(), y.detach().cpu()))
+        loss = F.cross_entropy(self(x), y, reduction="sum") / max(len(y), 1)
+        self.log("nonprivate/loss", loss, sync_dist=True, batch_size=len(y))
+        return loss
+
+
+def test_collectives_in_training_step_do_not_hang_on_an_empty_local_batch(tmp_path) -> None:
+    torch.manual_seed(0)
+    ranks = run_ddp(_SyncedLog(), loader(make_dataset(400), batch_size=1), str(tmp_path), noise_multiplier=1.0,
+                    max_steps=8, timeout=timedelta(seconds=30))  # q = 2/400: most local batches are empty  # fmt: skip
+    assert [r["steps"] for r in ranks] == [8, 8]
+    assert [len(r["batches"]) for r in ranks] == [8, 8]  # training_step ran on every rank, empty batches included
+    assert any(len(x) == 0 for r in ranks for x, _ in r["batches"])
+
+
+def test_resuming_target_epsilon_at_another_world_size_is_refused(tmp_path) -> None:
+    first = make_trainer(dplightning.DPStrategy(target_epsilon=2.0), max_steps=3)
+    first.fit(TinyModule(), loader(make_dataset(N), BATCH))
+    first.save_checkpoint(tmp_path / "one.ckpt")
+    with pytest.raises(Exception, match="overspent"):  # q = 16/64 on one process, 2 x 16/64 on two
+        run_ddp(TinyModule(), loader(make_dataset(N), BATCH), str(tmp_path), target_epsilon=2.0, max_steps=6,
+                ckpt_path=tmp_path / "one.ckpt", noise_multiplier=None, timeout=timedelta(seconds=30))  # fmt: skip
+
+
+class _ShardPerRank(TinyModule):
+    """Gives each rank a data set of its own length (pre-sharded data)."""
+
+    def train_dataloader(self):
+        return loader(make_dataset(N + 8 * self.trainer.global_rank), BATCH)
+
+
+def test_ranks_with_different_data_set_lengths_are_refused(tmp_path) -> None:
+    with pytest.raises(Exception, match="disagree on.*num_samples"):
+        run_ddp(_ShardPerRank(), None, str(tmp_path), noise_multiplier=1.0, max_steps=2,
+                use_distributed_sampler=False, timeout=timedelta(seconds=30))  # fmt: skip
