@@ -4,16 +4,16 @@ Each callback states whether what it logs is **private** (derived only from publ
 accounting values or released with its own accounted noise) or **nonprivate** (computed
 from raw per-example norms of the training data: logged under ``nonprivate/``, never to be
 released with the model). They read the strategy through the small interfaces of
-:mod:`dplightning.callbacks._protocol`, never through concrete strategy classes.
+:mod:`dplightning.protocols`, never through concrete strategy classes.
 
 Importing this package imports ``dplightning``, which registers ``strategy="dp"``.
 """
 
-from dplightning.callbacks._protocol import AccountingSource, NormSource, StepReleaseSource
 from dplightning.callbacks.clipping_histogram import ClippingHistogram
 from dplightning.callbacks.privacy_budget import PrivacyBudget
 from dplightning.callbacks.private_clip_fraction import PrivateClipFraction
 from dplightning.callbacks.tail_stats import GradientTailStats
+from dplightning.protocols import AccountingSource, NormSource, StepReleaseSource
 
 __all__ = [
     "AccountingSource",

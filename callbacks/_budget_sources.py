@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 
-from dplightning.callbacks._protocol import AccountingSource
 from dplightning.privacy.accounting import PrivacyLedger
+from dplightning.protocols import AccountingSource
 
 
 class BudgetSource(Protocol):

@@ -12,8 +12,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dplightning.callbacks._logging import output_dir
-from dplightning.callbacks._protocol import NormSource, require
 from dplightning.privacy.mechanism import MicroBatchStats
+from dplightning.protocols import NormSource, require
 
 R = TypeVar("R")
 

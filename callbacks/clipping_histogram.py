@@ -13,9 +13,9 @@ from typing_extensions import override
 
 from dplightning.callbacks._figures import plot_clipping
 from dplightning.callbacks._logging import log_histogram, log_scalars
-from dplightning.callbacks._protocol import NormSource
 from dplightning.callbacks._windowed import WindowedStatistics
 from dplightning.privacy.mechanism import MicroBatchStats
+from dplightning.protocols import NormSource
 
 PREFIX = "nonprivate"
 FIGURE_NAME = "nonprivate_clipping.png"

@@ -11,8 +11,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from dplightning.callbacks._protocol import StepReleaseSource, require
 from dplightning.privacy.noise import GaussianNoise, derive_seed
+from dplightning.protocols import StepReleaseSource, require
 
 RELEASE_NAME = "clip_count"
 METRIC = "private/clip_fraction"

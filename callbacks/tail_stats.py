@@ -16,10 +16,10 @@ from typing_extensions import override
 from dplightning.callbacks._figures import plot_tail_stats
 from dplightning.callbacks._grouping import ALL, parameter_groups
 from dplightning.callbacks._logging import log_scalars
-from dplightning.callbacks._protocol import NormSource
 from dplightning.callbacks._statistics import clip_shares, excess_kurtosis, hill_tail_index, norm_quantiles
 from dplightning.callbacks._windowed import WindowedStatistics
 from dplightning.privacy.mechanism import MicroBatchStats
+from dplightning.protocols import NormSource
 
 PREFIX = "nonprivate/tail"
 FIGURE_NAME = "nonprivate_tail_stats.png"

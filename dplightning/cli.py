@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import dplightning  # noqa: F401  (registers the strategy names before parsing)
+from dplightning.protocols import AccountingSource
 
 
 class DPLightningCLI(LightningCLI):
@@ -29,7 +30,7 @@ class DPLightningCLI(LightningCLI):
         if self.config.get(self.subcommand, {}).get("test_after_fit"):
             self.trainer.test(self.model, datamodule=self.datamodule, verbose=True)
         strategy = self.trainer.strategy
-        if hasattr(strategy, "get_epsilon") and strategy.steps:
+        if isinstance(strategy, AccountingSource) and strategy.steps:
             eps = strategy.get_epsilon()
             shown = "inf (no Poisson sampling)" if math.isinf(eps) else f"{eps:.4g}"
             rank_zero_info(

@@ -166,7 +166,7 @@ class DumpRankState(pl.Callback):
             "history": s.ledger.history,
             "epsilon": s.get_epsilon(),
             "sample_rate": s.sample_rate,
-            "buckets": len(s._privatizer.buckets) if s._privatizer else 0,
+            "buckets": len(s.private_step.privatizer.buckets) if s.private_step else 0,
             "all_reduce_calls": self.all_reduce_calls,
         }
         torch.save(state, f"{self.folder}/rank{trainer.global_rank}.pt")

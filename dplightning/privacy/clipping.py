@@ -98,3 +98,14 @@ def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
     norms = norms.float()
     factors = (max_norm / (norms + _CLIP_EPS)).clamp(max=1.0)
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+
+
+@register_clipping("per_matrix")
+def _per_matrix(named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> list[ClipGroup]:
+    """Each ≥2-D weight its own group, the other parameters one group; bounds ``C / sqrt(groups)``, so ``Δ = C``."""
+    matrices = [(name, p) for name, p in named_params if p.dim() >= 2]
+    rest = tuple(p for _, p in named_params if p.dim() < 2)
+    count = len(matrices) + bool(rest)
+    bound = max_grad_norm / math.sqrt(count) if count else max_grad_norm
+    groups = [ClipGroup(name, (p,), bound) for name, p in matrices]
+    return groups + ([ClipGroup("non-matrix", rest, bound)] if rest else [])

@@ -10,7 +10,7 @@ batch size and writes the result to ``p.grad``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from dplightning.privacy.clipping import ClipGroup, clip_factors, joint_sensitivity
+from dplightning.privacy.grad_sample.grads import Dense, PerExampleGrad
+from dplightning.privacy.grad_sample.transforms import SlotTransform
 from dplightning.privacy.noise import GaussianNoise
 
 if TYPE_CHECKING:
@@ -29,13 +31,12 @@ BucketReducer = Callable[[Tensor], "Work | None"]
 
 @dataclass
 class _Slot:
-    param: nn.Parameter
+    shape: torch.Size
     bucket: int
     offset: int
 
     def view(self, buckets: Sequence[Tensor]) -> Tensor:
-        numel = self.param.numel()
-        return buckets[self.bucket][self.offset : self.offset + numel].view(self.param.shape)
+        return buckets[self.bucket][self.offset : self.offset + self.shape.numel()].view(self.shape)
 
 
 @dataclass
@@ -59,43 +60,64 @@ class MicroBatchStats:
 class GradientPrivatizer:
     """Accumulates clipped per-example gradients and releases their noisy average.
 
+    Each privatized parameter has one *slot*: the coordinates that are clipped, noised and
+    released for it, of the parameter's shape, or of the shape an optimizer's transform
+    gives (a projected gradient).
+
     Args:
         groups: Clip groups; their parameters, in order, define the bucket layout.
         bucket_cap_mb: Largest bucket in MiB of fp32 (the unit of noise and all-reduce).
+        slot_shapes: Shape of the slot of each transformed parameter (default: its own shape).
     """
 
-    def __init__(self, groups: Sequence[ClipGroup], bucket_cap_mb: float = 25.0) -> None:
+    def __init__(
+        self,
+        groups: Sequence[ClipGroup],
+        bucket_cap_mb: float = 25.0,
+        slot_shapes: Mapping[nn.Parameter, torch.Size] | None = None,
+    ) -> None:
         if not groups or not any(g.params for g in groups):
             raise ValueError("Nothing to privatize: no trainable parameters are in the optimizer.")
         self.groups = list(groups)
         self.sensitivity = joint_sensitivity(self.groups)
         self.params = [p for g in self.groups for p in g.params]
+        self._group_of = {p: j for j, g in enumerate(self.groups) for p in g.params}
         offsets = [0]
         for g in self.groups:
             offsets.append(offsets[-1] + len(g.params))
         self._group_columns = [torch.arange(a, b) for a, b in zip(offsets, offsets[1:])]
-        self.buckets, self._slots = self._layout(self.params, int(bucket_cap_mb * 2**20 / 4))
+        shapes = {p: (slot_shapes or {}).get(p, p.shape) for p in self.params}
+        self._own_shape = [p for p in self.params if p not in (slot_shapes or {})]
+        self.buckets, self._slots = self._layout(self.params, shapes, int(bucket_cap_mb * 2**20 / 4))
         self._released = False
 
     @staticmethod
-    def _layout(params: Sequence[nn.Parameter], cap: int) -> tuple[list[Tensor], dict[nn.Parameter, _Slot]]:
+    def _layout(
+        params: Sequence[nn.Parameter], shapes: Mapping[nn.Parameter, torch.Size], cap: int
+    ) -> tuple[list[Tensor], dict[nn.Parameter, _Slot]]:
         sizes: list[int] = []
         devices: list[torch.device] = []
         slots: dict[nn.Parameter, _Slot] = {}
         for p in params:
-            if not sizes or sizes[-1] + p.numel() > cap or devices[-1] != p.device:
+            numel = shapes[p].numel()
+            if not sizes or sizes[-1] + numel > cap or devices[-1] != p.device:
                 sizes.append(0)
                 devices.append(p.device)
-            slots[p] = _Slot(p, len(sizes) - 1, sizes[-1])
-            sizes[-1] += p.numel()
+            slots[p] = _Slot(torch.Size(shapes[p]), len(sizes) - 1, sizes[-1])
+            sizes[-1] += numel
         buckets = [torch.zeros(n, dtype=torch.float32, device=d) for n, d in zip(sizes, devices)]
         return buckets, slots
 
-    def accumulate(self, grad_samples: dict[nn.Parameter, Tensor], scale: float = 1.0) -> MicroBatchStats:
-        """Clip the per-example gradients of one backward pass and add them to the buckets.
+    def slot(self, p: nn.Parameter) -> Tensor:
+        """The bucket view of ``p``'s slot (after :meth:`release`: its noisy mean)."""
+        return self._slots[p].view(self.buckets)
+
+    def accumulate(self, grads: Mapping[nn.Parameter, PerExampleGrad | Tensor], scale: float = 1.0) -> MicroBatchStats:
+        """Clip the per-example gradients of one batch (or micro-batch) and add them to the buckets.
 
         Args:
-            grad_samples: ``[n, *p.shape]`` per-example gradients; missing parameters count as zero.
+            grads: Per-example gradients per parameter (a ``[n, *shape]`` tensor is taken as
+                formed gradients); missing parameters count as zero.
             scale: Factor applied to every per-example gradient before clipping (e.g. the
                 accumulation factor Lightning divided the loss by).
         """
@@ -103,35 +125,27 @@ class GradientPrivatizer:
             for b in self.buckets:
                 b.zero_()
             self._released = False
-        rows = {gs.shape[0] for gs in grad_samples.values()}
+        grads = {p: g if isinstance(g, PerExampleGrad) else Dense(g) for p, g in grads.items()}
+        rows = {g.rows for g in grads.values()}
         if len(rows) > 1:
             raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(rows)}.")
         n = rows.pop() if rows else 0
-        param_sq = self._param_sq_norms(grad_samples, n) * scale**2
+        param_sq = self._param_sq_norms(grads, n) * scale**2
         norms = torch.stack([param_sq[:, idx].sum(dim=1) for idx in self._group_columns], dim=1).sqrt()
         finite = torch.isfinite(norms).all(dim=1)
         nonfinite = int(n - finite.sum().item())
         factors = torch.stack([clip_factors(norms[:, j], g.max_norm) for j, g in enumerate(self.groups)], dim=1)
         factors = factors * finite.unsqueeze(1) * scale
-        for j, group in enumerate(self.groups):
-            for p in group.params:
-                if p in grad_samples:
-                    self._add_clipped(p, grad_samples[p], factors[:, j], finite if nonfinite else None)
+        for p, g in grads.items():
+            self.slot(p).add_(g.weighted_sum(factors[:, self._group_of[p]]))
         return MicroBatchStats(norms=norms, param_sq_norms=param_sq, nonfinite=nonfinite)
 
-    def _param_sq_norms(self, grad_samples: dict[nn.Parameter, Tensor], n: int) -> Tensor:
+    def _param_sq_norms(self, grads: Mapping[nn.Parameter, PerExampleGrad], n: int) -> Tensor:
         sq = torch.zeros(n, len(self.params), dtype=torch.float32, device=self.buckets[0].device)
         for j, p in enumerate(self.params):
-            if p in grad_samples:
-                # vector_norm reduces in fp32 without a squared (or upcast) copy of the grad sample
-                sq[:, j] = torch.linalg.vector_norm(grad_samples[p].flatten(1), dim=1, dtype=torch.float32).square()
+            if p in grads:
+                sq[:, j] = grads[p].sq_norms()
         return sq
-
-    def _add_clipped(self, p: nn.Parameter, gs: Tensor, factors: Tensor, finite: Tensor | None) -> None:
-        flat = gs.flatten(1).float()
-        if finite is not None:  # 0 * inf would be nan: drop non-finite rows outright
-            flat = torch.where(finite.unsqueeze(1), flat, torch.zeros_like(flat))
-        self._slots[p].view(self.buckets).view(-1).add_(factors @ flat)
 
     def release(
         self,
@@ -139,6 +153,7 @@ class GradientPrivatizer:
         noise_std: float,
         expected_batch_size: float,
         reduce: BucketReducer | None = None,
+        write_grads: bool = True,
     ) -> None:
         """Add this rank's noise, sum across ranks, divide by the expected batch and set ``p.grad``.
 
@@ -149,6 +164,8 @@ class GradientPrivatizer:
             expected_batch_size: The public expected batch size q·N (never the realised one).
             reduce: Starts the in-place cross-rank sum of one bucket; ``None`` on one process.
                 Bucket ``b``'s reduction overlaps the noise of bucket ``b + 1``.
+            write_grads: Set ``p.grad`` to the released slot of every parameter without a
+                transform; the release stays readable in :meth:`slot` either way.
         """
         if self._released:  # a step with no backward pass at all: release pure noise
             for b in self.buckets:
@@ -164,17 +181,21 @@ class GradientPrivatizer:
                 work.wait()
         for bucket in self.buckets:
             bucket.div_(expected_batch_size)
-        for p, slot in self._slots.items():
-            view = slot.view(self.buckets)
-            p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
         self._released = True
+        if write_grads:
+            for p in self._own_shape:
+                view = self.slot(p)
+                p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
 
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def verify_per_example_sum(
-    params: Sequence[nn.Parameter], grad_samples: dict[nn.Parameter, Tensor], per_row: float = 1.0
+    params: Sequence[nn.Parameter],
+    grads: Mapping[nn.Parameter, PerExampleGrad],
+    per_row: float = 1.0,
+    transforms: Mapping[nn.Parameter, SlotTransform] | None = None,
 ) -> list[tuple[nn.Parameter, float]]:
     """Parameters whose autograd gradient ``p.grad`` is not ``per_row`` x the sum of their per-example gradients.
 
@@ -182,25 +203,33 @@ def verify_per_example_sum(
     rounding error of either sum: 1e-3 in fp32, 5e-2 when either side is in 16-bit, times
     max(s_p, 10⁻³·‖s‖) so that a parameter whose gradient is zero up to rounding (a key bias
     under softmax) is not judged by its own noise. Parameters with a non-finite side are
-    skipped (their examples are dropped and counted by the mechanism).
+    skipped (their examples are dropped and counted by the mechanism). A transformed
+    parameter is compared in its slot's coordinates (the transforms are linear).
 
     Returns:
         ``(parameter, relative error)`` for each mismatch, in ``params`` order.
     """
+    transforms = transforms or {}
     checked: list[nn.Parameter] = []
     errors: list[Tensor] = []
     scales: list[Tensor] = []
     tolerances: list[float] = []
     for p in params:
-        gs, grad = grad_samples.get(p), p.grad
-        if gs is None and grad is None:
+        g, grad = grads.get(p), p.grad
+        if g is None and grad is None:
             continue
-        expected = gs.sum(0).float() * per_row if gs is not None else torch.zeros(p.shape, device=p.device)
+        if grad is not None and p in transforms:
+            grad = transforms[p].dense(grad)
+        if g is not None:
+            expected = g.weighted_sum(torch.ones(g.rows, device=p.device)) * per_row
+            spread = g.sq_norms().sqrt().sum() * per_row
+        else:
+            expected = torch.zeros(grad.shape, device=p.device)  # type: ignore[union-attr]
+            spread = expected.new_zeros(())
         actual = grad.float() if grad is not None else torch.zeros_like(expected)
-        spread = gs.flatten(1).float().norm(dim=1).sum() * per_row if gs is not None else actual.new_zeros(())
-        low = (gs is not None and gs.dtype in _LOW_PRECISION) or (grad is not None and grad.dtype in _LOW_PRECISION)
+        low = (g is not None and g.dtype in _LOW_PRECISION) or (grad is not None and grad.dtype in _LOW_PRECISION)
         checked.append(p)
-        errors.append(torch.linalg.vector_norm(actual - expected))
+        errors.append(torch.linalg.vector_norm(actual - expected.view(actual.shape)))
         scales.append(torch.linalg.vector_norm(actual) + spread)
         tolerances.append(5e-2 if low else 1e-3)
     if not checked:

@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+
+from dplightning.protocols import AccountingSource
 
 
 class _EpsilonProgress(Callback):
     """Logs ``epsilon`` (an upper bound, exact on a geometric grid of steps) every step.
 
-    Added automatically by the DP strategies unless a callback with ``shows_epsilon = True``
-    (e.g. ``dplightning.callbacks.PrivacyBudget``) is present; reads only public values (the ledger).
+    Added automatically by the DP strategies unless a :class:`~dplightning.protocols.ShowsEpsilon`
+    callback (e.g. ``dplightning.callbacks.PrivacyBudget``) is present; reads only public values (the ledger).
     """
 
-    shows_epsilon: ClassVar[bool] = True
+    shows_epsilon = True
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         strategy = trainer.strategy
-        if not getattr(strategy, "poisson_sampling", False) or strategy.steps == 0:  # type: ignore[attr-defined]
+        if not isinstance(strategy, AccountingSource) or not strategy.poisson_sampling or strategy.steps == 0:
             return
-        eps = strategy.epsilon_bound()  # type: ignore[attr-defined]
         # logger=False without a logger: Lightning would otherwise warn on every step
         logger = bool(trainer.loggers)
+        eps = strategy.epsilon_bound()
         pl_module.log("epsilon", eps, on_step=True, on_epoch=False, prog_bar=True, logger=logger, rank_zero_only=True)

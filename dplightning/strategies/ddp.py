@@ -25,10 +25,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from dplightning.privacy.mechanism import BucketReducer
-from dplightning.strategies._dp import _DPMixin
+from dplightning.strategies._dp import _DPHooks
+from dplightning.strategies.config import DPConfig, dp_arguments
 
 
-class DPDDPStrategy(_DPMixin, DDPStrategy):
+@dp_arguments()
+class DPDDPStrategy(_DPHooks, DDPStrategy):
     """Differentially private training (DP-SGD) over several processes, one device each.
 
     The guarantee is that of single-process DP-SGD on the union of the ranks' batches:
@@ -39,25 +41,6 @@ class DPDDPStrategy(_DPMixin, DDPStrategy):
     included) and holds the same ledger, so ε is one number for the run.
 
     Args:
-        noise_multiplier: σ; exactly one of ``noise_multiplier`` and ``target_epsilon``.
-        target_epsilon: ε to reach at the end of training (σ calibrated at fit start).
-        max_grad_norm: Clipping bound C (joint sensitivity for group clipping).
-        delta: δ; default 1/(10·N).
-        accountant: ``"prv"`` (default), ``"rdp"`` or ``"gdp"``.
-        clipping: ``"flat"`` or ``"per_layer"``.
-        poisson_sampling: Poisson sampling of disjoint shards; ``False`` reports ε = inf.
-        secure_mode: Noise and sampling from the OS CSPRNG (slow).
-        loss_reduction: ``"mean"`` or ``"sum"``: how ``training_step`` reduces over rows.
-        grad_sample_mode: ``"hooks"`` or ``"functorch"``.
-        bucket_cap_mb: Size of the fp32 buckets that are noised and all-reduced.
-        seed: FOR TESTS ONLY (expanded per seed, rank and step); default OS entropy.
-        noise_placement: ``"rank0"`` (default): rank 0 adds all the noise, so a test can
-            regenerate it exactly; ``"split"``: each rank adds N(0, (σΔ)²/W) from its own
-            generator, which balances the work of drawing noise for large models.
-        verify_gradients: Check that autograd's gradient equals the sum of the per-example
-            gradients, and refuse to train if not (a contribution escaped the per-example
-            hooks): ``"first_steps"`` (default: the first steps with data, and again after
-            the trainable parameters change), ``"always"`` or ``"never"``.
         accelerator: Lightning's argument.
         parallel_devices: Lightning's argument.
         cluster_environment: Lightning's argument.
@@ -72,20 +55,6 @@ class DPDDPStrategy(_DPMixin, DDPStrategy):
 
     def __init__(
         self,
-        noise_multiplier: float | None = None,
-        target_epsilon: float | None = None,
-        max_grad_norm: float = 1.0,
-        delta: float | None = None,
-        accountant: str = "prv",
-        clipping: str = "flat",
-        poisson_sampling: bool = True,
-        secure_mode: bool = False,
-        loss_reduction: str = "mean",
-        grad_sample_mode: str = "hooks",
-        bucket_cap_mb: float = 25.0,
-        seed: int | None = None,
-        noise_placement: str = "rank0",
-        verify_gradients: str = "first_steps",
         accelerator: Any | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -94,6 +63,7 @@ class DPDDPStrategy(_DPMixin, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **dp: Any,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -105,10 +75,7 @@ class DPDDPStrategy(_DPMixin, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self._dp_init(
-            noise_multiplier, target_epsilon, max_grad_norm, delta, accountant, clipping, poisson_sampling,
-            secure_mode, loss_reduction, grad_sample_mode, bucket_cap_mb, seed, noise_placement, verify_gradients,
-        )  # fmt: skip
+        self._dp_init(DPConfig(**dp))
 
     @override
     def configure_ddp(self) -> None:

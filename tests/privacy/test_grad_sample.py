@@ -1,4 +1,4 @@
-"""Per-example gradients from the hook backends equal a torch.func reference."""
+"""Per-example gradients from the hooks, with every clipping engine, equal a torch.func reference."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from dplightning.privacy.grad_sample import available_grad_sample_modes, make_grad_sample_backend
+from dplightning.privacy.grad_sample import GRAD_SAMPLE_MODES, PerExampleHooks, available_engines
 from tests.helpers import Scale
 from tests.reference import per_example_grads
 
@@ -56,26 +56,37 @@ def _cases() -> dict[str, tuple[nn.Module, torch.Tensor, int]]:
     }
 
 
-def _backend_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str = "hooks", reduction: str = "mean"):
-    backend = make_grad_sample_backend(mode, model, loss_reduction=reduction)
+ENGINES = available_engines()
+
+
+def _hooks(model: nn.Module, mode: str = "hooks", engine: str = "auto") -> PerExampleHooks:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return PerExampleHooks(model, params, engine=engine, functorch_fallback=mode == "functorch")
+
+
+def _backend_grads(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str = "hooks", reduction: str = "mean", engine="auto"
+):
+    hooks = _hooks(model, mode, engine)
     try:
         F.cross_entropy(model(x), y, reduction=reduction).backward()
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = backend.pop(params)
+        grads = hooks.pop()
     finally:
-        backend.close()
+        hooks.close()
     names = {p: n for n, p in model.named_parameters()}
-    return {names[p]: g for p, g in grads.items()}
+    rows = len(x) if reduction == "mean" else 1  # the hooks give the backpropagated loss's per-row gradients
+    return {names[p]: g.instantiate() * rows for p, g in grads.items()}
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", list(_cases()))
 @pytest.mark.parametrize("batch", [1, 7])
-def test_hooks_match_torch_func(case: str, batch: int) -> None:
+def test_hooks_match_torch_func(case: str, batch: int, engine: str) -> None:
     model, x, classes = _cases()[case]
     x = x[:batch]
     y = torch.arange(batch) % classes
     expected = per_example_grads(model, F.cross_entropy, x, y)
-    got = _backend_grads(model, x, y)
+    got = _backend_grads(model, x, y, engine=engine)
     assert set(got) == set(expected)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=f"{case}: {name}")
@@ -106,7 +117,7 @@ def test_frozen_parameters_get_no_grad_sample() -> None:
 def test_unsupported_module_is_named_and_functorch_handles_it() -> None:
     model = nn.Sequential(nn.Linear(3, 3), Scale(), nn.Linear(3, 2))
     with pytest.raises(ValueError, match=r"1 \(Scale\)"):
-        make_grad_sample_backend("hooks", model, "mean")
+        _hooks(model)
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
     expected = per_example_grads(model, F.cross_entropy, x, y)
     got = _backend_grads(model, x, y, mode="functorch")
@@ -117,7 +128,7 @@ def test_unsupported_module_is_named_and_functorch_handles_it() -> None:
 def test_mixing_modules_are_rejected_with_their_names(norm: nn.Module) -> None:
     model = nn.Sequential(nn.Linear(3, 3), norm, nn.Linear(3, 2))
     with pytest.raises(ValueError, match=r"\['1'\].*GroupNorm"):
-        make_grad_sample_backend("hooks", model, "mean")
+        _hooks(model)
 
 
 def test_close_removes_every_hook_and_attribute() -> None:
@@ -130,8 +141,9 @@ def test_close_removes_every_hook_and_attribute() -> None:
         assert not hasattr(p, "grad_sample") and not hasattr(p, "_forward_counter")
 
 
-def test_registry_lists_both_modes() -> None:
-    assert {"hooks", "functorch"} <= set(available_grad_sample_modes())
+def test_registry_lists_both_modes_and_the_engines() -> None:
+    assert {"hooks", "functorch"} <= set(GRAD_SAMPLE_MODES)
+    assert {"auto", "book_keeping", "instantiate"} <= set(ENGINES)
 
 
 def test_recurrent_layer_called_once_per_time_step() -> None:
@@ -155,7 +167,8 @@ def test_recurrent_layer_called_once_per_time_step() -> None:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_tied_parameters_add_their_contributions() -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tied_parameters_add_their_contributions(engine: str) -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -169,22 +182,22 @@ def test_tied_parameters_add_their_contributions() -> None:
     torch.manual_seed(0)
     model, x, y = Tied(), torch.randint(0, 7, (4, 3)), torch.tensor([1, 2, 3, 4])
     expected = per_example_grads(model, F.cross_entropy, x, y)
-    got = _backend_grads(model, x, y)
+    got = _backend_grads(model, x, y, engine=engine)
     torch.testing.assert_close(got["embed.weight"], expected["embed.weight"], rtol=1e-5, atol=1e-6)
 
 
 def test_forward_without_backward_is_forgotten() -> None:
     model, x, _ = _cases()["linear"]
     y = torch.arange(len(x)) % 3
-    backend = make_grad_sample_backend("hooks", model, "mean")
+    hooks = _hooks(model)
     try:
         model(x[:2])  # a forward whose output is never differentiated
-        backend.pop(list(model.parameters()))
+        hooks.pop()
         F.cross_entropy(model(x), y).backward()
-        got = backend.pop(list(model.parameters()))
+        got = hooks.pop()
     finally:
-        backend.close()
+        hooks.close()
     expected = per_example_grads(model, F.cross_entropy, x, y)
     names = {p: n for n, p in model.named_parameters()}
     for p, g in got.items():
-        torch.testing.assert_close(g, expected[names[p]], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g.instantiate() * len(x), expected[names[p]], rtol=1e-5, atol=1e-6)

@@ -1,21 +1,34 @@
-"""Per-example gradient backends, chosen by name with ``grad_sample_mode=``.
+"""Per-example gradients: hooks on the model's own layers and a clipping engine per layer.
 
-A backend attaches to the user's own modules in place (no wrapper, so ``state_dict``
-keys stay unchanged) and hands the strategy the per-example gradients of each
-backward pass. Ghost-norm and book-keeping backends register here later.
+:class:`PerExampleHooks` attaches to the user's own modules in place (no wrapper, so
+``state_dict`` keys stay unchanged) and hands over, per batch, each privatized
+parameter's per-example gradients as a :class:`PerExampleGrad`: formed (``Dense``) or
+factored (``Factored``, book-keeping), either way giving norms and weighted sums.
 """
 
-from dplightning.privacy.grad_sample import hooks as _hooks  # noqa: F401  (registers "hooks", "functorch")
-from dplightning.privacy.grad_sample.backend import (
-    GradSampleBackend,
-    available_grad_sample_modes,
-    make_grad_sample_backend,
-    register_grad_sample_backend,
-)
+from dplightning.privacy.grad_sample.engines import Engine, available_engines, make_engine, register_engine
+from dplightning.privacy.grad_sample.grads import Dense, Factored, PerExampleGrad, Summed
+from dplightning.privacy.grad_sample.hooks import PerExampleHooks
+from dplightning.privacy.grad_sample.samplers import register_batch_major_container
+from dplightning.privacy.grad_sample.transforms import Projection, SlotTransform
+
+GRAD_SAMPLE_MODES = {
+    "hooks": "registered per-layer samplers and engines only; any other trainable layer is an error",
+    "functorch": "torch.func for layers no sampler or engine handles",
+}
 
 __all__ = [
-    "GradSampleBackend",
-    "available_grad_sample_modes",
-    "make_grad_sample_backend",
-    "register_grad_sample_backend",
+    "GRAD_SAMPLE_MODES",
+    "Dense",
+    "Engine",
+    "Factored",
+    "PerExampleGrad",
+    "PerExampleHooks",
+    "Projection",
+    "SlotTransform",
+    "Summed",
+    "available_engines",
+    "make_engine",
+    "register_batch_major_container",
+    "register_engine",
 ]

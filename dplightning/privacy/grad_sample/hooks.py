@@ -1,8 +1,7 @@
-"""Backends on Opacus' per-layer grad samplers, hooked onto the model's own layers.
+"""Per-example gradient capture on the model's own layers, with a clipping engine per layer.
 
-The per-layer math is Opacus' (``GradSampleHooks.GRAD_SAMPLERS``), with a few samplers of
-our own (``samplers.py``). The hook plumbing is ours, written by hand because Opacus'
-cannot give what the strategy needs:
+The hooks are ours, written by hand because Opacus' plumbing cannot give what the
+strategy needs:
 
 * **Exact pairing of a call with its backward.** Opacus keeps each layer's inputs on a
   stack and pops one per module backward hook, so a layer called twice where one call is
@@ -11,40 +10,35 @@ cannot give what the strategy needs:
   registers a hook on *its own output tensor*, holding its inputs in the hook's closure:
   the hook fires only if gradient reaches that output, and the inputs are freed with
   the graph when it does not.
-* **No zero-filled copies.** Opacus stores every per-example gradient on a parameter
-  attribute through a zero-filled copy (twice the memory traffic of the gradient: a
-  forward and backward of a 4x512 MLP at batch 64 took 0.38-0.44 s through its hooks and
-  0.18 s through these, one CPU thread). Here the gradients of one backward pass are
-  handed over and forgotten.
+* **No zero-filled copies, no per-parameter attributes.** Opacus stores every per-example
+  gradient on a parameter attribute through a zero-filled copy (twice the memory traffic:
+  a forward and backward of a 4x512 MLP at batch 64 took 0.38-0.44 s through its hooks
+  and 0.18 s through these, one CPU thread). Here the engine's per-example gradients of
+  one backward pass, factored or formed, are handed over and forgotten.
 * **Capture by gradient, not by mode.** A trainable layer put in ``eval()`` (to turn off
   its dropout) still trains, so calls are captured whenever autograd records them.
+* **Autograd's own weight gradients can be skipped.** The strategy may turn
+  ``requires_grad`` off on the privatized parameters during the backward (the engines do
+  not need autograd's ``p.grad``, only the layers' inputs and output gradients); a
+  layer whose output would then not require gradient is made to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from dplightning.privacy.grad_sample.backend import GradSampleBackend, register_grad_sample_backend
-from dplightning.privacy.grad_sample.samplers import (
-    GradSampler,
-    LayerCall,
-    batch_major_layers,
-    functorch_grad_sample,
-    registered_sampler,
-)
-from dplightning.privacy.grad_sample.validation import (
-    check_embeddings,
-    mixing_modules,
-    modules_without_sampler,
-    owns_trainable,
-)
+from dplightning.privacy.grad_sample.engines import Engine, make_engine
+from dplightning.privacy.grad_sample.grads import Dense, PerExampleGrad, add
+from dplightning.privacy.grad_sample.samplers import LayerCall, batch_major_layers
+from dplightning.privacy.grad_sample.transforms import SlotTransform
+from dplightning.privacy.grad_sample.validation import check_model, handled_per_layer, own_parameters
 
 
 def _detach(value: Any) -> Any:
@@ -62,71 +56,77 @@ def _is_plain_embedding(layer: nn.Module) -> bool:
     return isinstance(layer, nn.Embedding) and type(layer).forward is nn.Embedding.forward
 
 
-@register_grad_sample_backend("hooks")
-class HooksBackend(GradSampleBackend):
-    """Opacus' registered per-layer samplers only; any other trainable layer is an error.
+class PerExampleHooks:
+    """Hooks on every layer owning a privatized parameter; hands over per-example gradients.
 
-    The strategy sets :attr:`batch_rows` to the row count of each training batch and turns
-    :attr:`capturing` off outside ``training_step``; used on its own, the backend captures
-    every forward that autograd records and takes each layer's rows from its input.
+    Args:
+        module: The model (the LightningModule itself): hooks go on its own submodules, so
+            ``state_dict`` keys stay unchanged.
+        params: The privatized parameters.
+        engine: Name of the clipping engine (``"auto"``, ``"book_keeping"``, ``"instantiate"``).
+        functorch_fallback: Differentiate layers without a per-example sampler with
+            ``torch.func``; otherwise they are an error.
+        transforms: Per-parameter linear maps applied to every per-example gradient
+            (an optimizer's DP plan), inside the engine's representation.
+
+    Raises:
+        ValueError: For layers that mix examples or that no engine or sampler handles.
     """
 
-    functorch_fallback: ClassVar[bool] = False
-
-    def __init__(self, module: nn.Module, loss_reduction: str) -> None:
-        super().__init__(module, loss_reduction)
-        self._check(module)
+    def __init__(
+        self,
+        module: nn.Module,
+        params: Sequence[nn.Parameter],
+        engine: str = "auto",
+        functorch_fallback: bool = False,
+        transforms: Mapping[nn.Parameter, SlotTransform] | None = None,
+    ) -> None:
+        self.params = set(params)
+        check_model(module, self.params, functorch_fallback)
+        self.engine: Engine = make_engine(engine, functorch_fallback)
+        self.transforms = dict(transforms or {})
         self.capturing = True
         """Whether forwards are captured (the strategy captures inside ``training_step`` only)."""
         self.batch_rows: int | None = None
-        """Examples in the current batch; ``None`` takes each layer's input rows."""
-        self._samplers: dict[nn.Module, GradSampler] = {}
+        """Rows of the current forward batch; ``None`` takes each layer's input rows."""
         self._names = {m: name or "<root>" for name, m in module.named_modules()}
-        self._grads: dict[nn.Parameter, Tensor] = {}
-        self._handles: list[RemovableHandle] = []
         self._batch_major = batch_major_layers(module)
-        for layer in self._layers(module):
-            self._samplers[layer] = registered_sampler(layer) or functorch_grad_sample
+        self._grads: dict[nn.Parameter, list[PerExampleGrad]] = {}
+        self._handles: list[RemovableHandle] = []
+        self.layers = self._layers(module)
+        """The hooked layers, each with its privatized parameters."""
+        for layer in self.layers:
             if _is_plain_embedding(layer):
                 self._handles.append(layer.register_forward_pre_hook(self._expand_broadcast_batch))
             self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True))
 
-    def _check(self, module: nn.Module) -> None:
-        mixing = mixing_modules(module)
-        if mixing:
-            raise ValueError(
-                f"Per-example clipping is undefined with modules that mix the examples of a batch: {mixing}. "
-                "Replace BatchNorm with GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix(model) "
-                "does it) and set track_running_stats=False on InstanceNorm."
-            )
-        check_embeddings(module)
-        if owns_trainable(module):
-            raise ValueError(
-                f"{type(module).__name__} owns trainable parameters directly; per-example gradients are "
-                "computed per submodule, so move them into a submodule (e.g. an nn.Module holding them)."
-            )
-        if self.functorch_fallback:
-            return
-        missing = modules_without_sampler(module, lambda m: registered_sampler(m) is not None)
-        if missing:
-            raise ValueError(
-                f"No per-example gradient sampler for these modules with trainable parameters: {missing}. "
-                "Replace them (nn.LSTM/GRU/RNN -> opacus.layers.DPLSTM/DPGRU/DPRNN, nn.MultiheadAttention -> "
-                "opacus.layers.DPMultiheadAttention), register a sampler with "
-                "opacus.grad_sample.register_grad_sampler, freeze them, or pass grad_sample_mode='functorch' "
-                "to differentiate them per example with torch.func."
-            )
+    def _layers(self, module: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
+        """Modules owning privatized parameters; a layer only ``torch.func`` handles covers its subtree."""
+        layers: dict[nn.Module, list[nn.Parameter]] = {}
 
-    def _layers(self, module: nn.Module) -> list[nn.Module]:
-        """Modules owning trainable parameters; a functorch layer covers its whole subtree."""
-        owns = owns_trainable(module)
-        if owns and registered_sampler(module) is None:  # only with the functorch fallback
-            return [module]
-        return [module] * owns + [m for child in module.children() for m in self._layers(child)]
+        def visit(m: nn.Module) -> None:
+            own = [p for p in own_parameters(m) if p in self.params]
+            if own and not handled_per_layer(m):
+                layers[m] = [p for p in m.parameters() if p in self.params]
+                return
+            if own:
+                layers[m] = own
+            for child in m.children():
+                visit(child)
+
+        visit(module)
+        return layers
+
+    def summary(self) -> list[tuple[str, str, int, str]]:
+        """``(layer, type, privatized parameters, engine)`` for every hooked layer."""
+        return [
+            (self._names.get(m, "?"), type(m).__name__, sum(p.numel() for p in ps), self.engine.describe(m))
+            for m, ps in self.layers.items()
+        ]
 
     @contextmanager
-    def capture(self, rows: int | None) -> Any:
-        """Capture the forwards of one training batch of ``rows`` examples."""
+    def capture(self, rows: int | None) -> Iterator[None]:
+        """Capture the forwards of one training batch with ``rows`` forward rows."""
         self.capturing, self.batch_rows = True, rows
         try:
             yield
@@ -134,7 +134,7 @@ class HooksBackend(GradSampleBackend):
             self.capturing = False
 
     def _recording(self, layer: nn.Module) -> bool:
-        return self.capturing and torch.is_grad_enabled() and any(p.requires_grad for p in layer.parameters())
+        return self.capturing and torch.is_grad_enabled() and layer in self.layers
 
     def _expand_broadcast_batch(self, layer: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         # Hugging Face's default position ids have shape [1, T] and are broadcast over the batch
@@ -151,9 +151,12 @@ class HooksBackend(GradSampleBackend):
         if not self._recording(layer):
             return
         outputs, _ = tree_flatten(output)
-        slots = [i for i, t in enumerate(outputs) if isinstance(t, Tensor) and t.requires_grad]
+        slots = [i for i, t in enumerate(outputs) if isinstance(t, Tensor) and t.is_floating_point()]
         if not slots:
             return
+        for i in slots:  # with autograd's weight gradients off, the first layer's output would need none
+            if not outputs[i].requires_grad and outputs[i].grad_fn is None:
+                outputs[i].requires_grad_(True)
         fold = self._rows_per_example(layer, args)
         call = LayerCall(
             args=tuple(_detach(a) for a in args),
@@ -187,39 +190,52 @@ class HooksBackend(GradSampleBackend):
             "by all examples): pass that input with the batch dimension expanded to the batch size."
         )
 
+    @contextmanager
+    def _engine_view(self, layer: nn.Module) -> Iterator[None]:
+        # Samplers skip parameters without requires_grad, which the strategy may have turned off;
+        # and the torch.func fallback replays the layer's forward, which must not be captured again.
+        params = self.layers[layer]
+        flags = [p.requires_grad for p in params]
+        capturing, self.capturing = self.capturing, False
+        for p in params:
+            p.requires_grad_(True)
+        try:
+            yield
+        finally:
+            for p, flag in zip(params, flags):
+                p.requires_grad_(flag)
+            self.capturing = capturing
+
     def _on_output_grads(self, layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> None:
         if call.fold > 1:
             call = call.folded()
             grads = [None if g is None else g.reshape(call.rows, -1, *g.shape[1:]) for g in grads]
-        rows = self.batch_rows if self.batch_rows is not None else call.rows
         grads = [None if g is None else g.detach() for g in grads]
-        if self.loss_reduction == "mean":  # undo the mean over the rows of the batch
-            grads = [None if g is None else g * rows for g in grads]
-        capturing, self.capturing = self.capturing, False  # the torch.func fallback replays the layer's forward
-        try:
-            per_example = self._samplers[layer](layer, call, grads)
-        finally:
-            self.capturing = capturing
-        for p, gs in per_example.items():
-            gs = gs[:rows]  # some samplers answer an empty batch with one row of zeros
-            if p.requires_grad:  # a layer called twice, or a tied parameter: the contributions add up
-                self._grads[p] = self._grads[p] + gs if p in self._grads else gs
+        with self._engine_view(layer):
+            per_example = self.engine.grads(layer, call, grads)
+        rows = self.batch_rows if self.batch_rows is not None else call.rows
+        for p, g in per_example.items():
+            if p not in self.params:
+                continue
+            if isinstance(g, Dense) and g.rows != rows:  # some samplers answer an empty batch with one row of zeros
+                g = Dense(g.value[:rows])
+            if p in self.transforms:
+                g = self.transforms[p].apply(g)
+            self._grads.setdefault(p, []).append(g)
 
-    def pop(self, params: Sequence[nn.Parameter]) -> dict[nn.Parameter, Tensor]:
-        grads = {p: self._grads[p] for p in params if p in self._grads}
+    def pop(self, rows_per_unit: int = 1) -> dict[nn.Parameter, PerExampleGrad]:
+        """The per-example gradients of everything captured since the last pop, per privacy unit.
+
+        A layer called several times, a parameter shared by layers, and several backward
+        passes add up; ``rows_per_unit`` consecutive rows form one unit and add up too.
+        """
+        grads = {p: add(parts).units(rows_per_unit) for p, parts in self._grads.items()}
         self._grads.clear()
         return grads
 
     def close(self) -> None:
+        """Remove every hook the capture added to the model."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._samplers.clear()
         self._grads.clear()
-
-
-@register_grad_sample_backend("functorch")
-class FunctorchFallbackBackend(HooksBackend):
-    """Registered samplers where they exist, ``torch.func`` per layer for the rest."""
-
-    functorch_fallback: ClassVar[bool] = True

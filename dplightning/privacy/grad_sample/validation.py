@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from torch import nn
@@ -27,23 +27,65 @@ def mixing_modules(module: nn.Module) -> list[str]:
     ]
 
 
-def owns_trainable(module: nn.Module) -> bool:
-    """Whether ``module`` has trainable parameters of its own, not aliases of a child's.
+def own_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters registered on ``module`` itself that are not aliases of a child's.
 
     Opacus' ``DPLSTM`` re-registers its ``RNNLinear`` children's weights under
     ``nn.LSTM``'s names; those children, not the wrapper, compute them.
     """
     children = {id(p) for child in module.children() for p in child.parameters()}
-    return any(p.requires_grad and id(p) not in children for p in module.parameters(recurse=False))
+    return [p for p in module.parameters(recurse=False) if id(p) not in children]
 
 
-def modules_without_sampler(module: nn.Module, has_sampler: Callable[[nn.Module], bool]) -> list[str]:
-    """Names (and types) of modules owning trainable parameters that no sampler handles."""
-    return [
+def owns_trainable(module: nn.Module) -> bool:
+    """Whether ``module`` has trainable parameters of its own (see :func:`own_parameters`)."""
+    return any(p.requires_grad for p in own_parameters(module))
+
+
+def handled_per_layer(module: nn.Module) -> bool:
+    """Whether a registered sampler or an engine's factorisation covers ``module``'s own parameters."""
+    from dplightning.privacy.grad_sample.engines import factored_kind
+    from dplightning.privacy.grad_sample.samplers import registered_sampler
+
+    return registered_sampler(module) is not None or factored_kind(module) is not None
+
+
+def check_model(module: nn.Module, params: Collection[nn.Parameter], functorch_fallback: bool) -> None:
+    """Raise, naming the modules and the fix, if ``module`` cannot be trained with per-example clipping.
+
+    Args:
+        module: The model.
+        params: The parameters to privatize.
+        functorch_fallback: Whether layers without a sampler may be differentiated by ``torch.func``.
+    """
+    mixing = mixing_modules(module)
+    if mixing:
+        raise ValueError(
+            f"Per-example clipping is undefined with modules that mix the examples of a batch: {mixing}. "
+            "Replace BatchNorm with GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix(model) "
+            "does it) and set track_running_stats=False on InstanceNorm."
+        )
+    check_embeddings(module)
+    if any(p in params for p in own_parameters(module)):
+        raise ValueError(
+            f"{type(module).__name__} owns trainable parameters directly; per-example gradients are "
+            "computed per submodule, so move them into a submodule (e.g. an nn.Module holding them)."
+        )
+    if functorch_fallback:
+        return
+    missing = [
         f"{name or '<root>'} ({type(m).__name__})"
         for name, m in module.named_modules()
-        if owns_trainable(m) and not has_sampler(m)
+        if any(p in params for p in own_parameters(m)) and not handled_per_layer(m)
     ]
+    if missing:
+        raise ValueError(
+            f"No per-example gradient sampler for these modules with trainable parameters: {missing}. "
+            "Replace them (nn.LSTM/GRU/RNN -> opacus.layers.DPLSTM/DPGRU/DPRNN, nn.MultiheadAttention -> "
+            "opacus.layers.DPMultiheadAttention), register a sampler with "
+            "opacus.grad_sample.register_grad_sampler, freeze them, or pass grad_sample_mode='functorch' "
+            "to differentiate them per example with torch.func."
+        )
 
 
 def check_embeddings(module: nn.Module) -> None:

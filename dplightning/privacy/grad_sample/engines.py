@@ -1,0 +1,203 @@
+"""Clipping engines: per layer, one call's inputs and output gradients -> per-example gradients.
+
+An engine turns what the hooks captured for one call of one layer (its inputs A and the
+gradient Δ of its output) into the per-example gradients of the layer's parameters, as
+:class:`~dplightning.privacy.grad_sample.grads.PerExampleGrad` objects that give norms and
+weighted sums. Engines are registered by name and chosen per layer, first match wins:
+
+* ``instantiate``: forms every g_i (Opacus' per-layer samplers, or ``torch.func``).
+* ``book_keeping``: keeps A and Δ and never forms g_i for the weight matrices of Linear,
+  Conv1d/Conv2d (im2col), Embedding and Hugging Face ``Conv1D`` layers (peft's LoRA
+  adapters are Linear layers): norms by the ghost norm or by forming g_i, whichever takes
+  less memory, and the clipped sum by one matrix product (Bu et al., arXiv 2210.00038).
+  Biases and norm affines are small and formed. Other layers fall back to ``instantiate``.
+* ``auto`` (default): book-keeping where the ghost norm pays (2T² < a·b for the layer's
+  a×b weight and T tokens), instantiation otherwise, decided per call.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dplightning.privacy.grad_sample.grads import Dense, Factored, PerExampleGrad
+from dplightning.privacy.grad_sample.samplers import LayerCall, functorch_grad_sample, registered_sampler
+
+OutputGrads = list["Tensor | None"]
+
+
+class Engine(ABC):
+    """Computes the per-example gradients of one layer call."""
+
+    name: ClassVar[str]
+
+    def __init__(self, functorch_fallback: bool = False) -> None:
+        self.functorch_fallback = functorch_fallback
+
+    @abstractmethod
+    def grads(self, layer: nn.Module, call: LayerCall, output_grads: OutputGrads) -> dict[nn.Parameter, PerExampleGrad]:
+        """Per-example gradients of ``layer``'s trainable parameters for this call."""
+
+    @abstractmethod
+    def describe(self, layer: nn.Module) -> str:
+        """How this engine handles ``layer`` (one cell of the setup summary)."""
+
+
+_ENGINES: dict[str, type[Engine]] = {}
+
+
+def register_engine(name: str) -> Callable[[type[Engine]], type[Engine]]:
+    """Class decorator registering a clipping engine under ``name``."""
+
+    def decorator(cls: type[Engine]) -> type[Engine]:
+        cls.name = name
+        _ENGINES[name] = cls
+        return cls
+
+    return decorator
+
+
+def available_engines() -> list[str]:
+    """Names accepted by ``clipping_engine=``."""
+    return sorted(_ENGINES)
+
+
+def make_engine(name: str, functorch_fallback: bool = False) -> Engine:
+    """The engine registered as ``name``."""
+    if name not in _ENGINES:
+        raise ValueError(f"Unknown clipping_engine {name!r}; choose one of {available_engines()}.")
+    return _ENGINES[name](functorch_fallback)
+
+
+@register_engine("instantiate")
+class Instantiate(Engine):
+    """Every per-example gradient formed, by the layer's registered sampler or ``torch.func``."""
+
+    def grads(self, layer: nn.Module, call: LayerCall, output_grads: OutputGrads) -> dict[nn.Parameter, PerExampleGrad]:
+        sampler = registered_sampler(layer) or functorch_grad_sample
+        return {p: Dense(g) for p, g in sampler(layer, call, output_grads).items() if p.requires_grad}
+
+    def describe(self, layer: nn.Module) -> str:
+        return "instantiate" if registered_sampler(layer) is not None else "instantiate (torch.func)"
+
+
+# ---------------------------------------------------------------- factored layers
+
+
+def _tokens(t: Tensor) -> Tensor:
+    """``[n, ..., d]`` -> ``[n, T, d]`` (T = 1 for a plain ``[n, d]`` input)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])  # explicit T: n may be 0
+
+
+def _linear(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
+    a, d = _tokens(call.args[0]), _tokens(grad)
+    return Factored(d, a.to(d.dtype), layer.weight.shape[0], layer.weight.shape), d.sum(1)
+
+
+def _hf_conv1d(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
+    a, d = _tokens(call.args[0]), _tokens(grad)  # weight is [in, out]: g_i = A_iᵀ Δ_i
+    return Factored(a.to(d.dtype), d, layer.weight.shape[0], layer.weight.shape), d.sum(1)
+
+
+def _embedding(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, None]:
+    ids = call.args[0].reshape(grad.shape[0], math.prod(grad.shape[1:-1])).long()
+    d = _tokens(grad)
+    if layer.padding_idx is not None:  # autograd gives the padding row no gradient
+        d = d * (ids != layer.padding_idx).unsqueeze(-1).to(d.dtype)
+    return Factored(ids, d, layer.weight.shape[0], layer.weight.shape), None
+
+
+def _conv(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
+    x, n = call.args[0], grad.shape[0]
+    if isinstance(layer, nn.Conv1d):  # as a 2-d convolution of height 1
+        x, grad = x.unsqueeze(-2), grad.unsqueeze(-2)
+        kernel, dilation = (1, *layer.kernel_size), (1, *layer.dilation)
+        padding, stride = (0, *layer.padding), (1, *layer.stride)
+    else:
+        kernel, dilation, padding, stride = layer.kernel_size, layer.dilation, layer.padding, layer.stride
+    cols = F.unfold(x.to(grad.dtype), kernel, dilation=dilation, padding=padding, stride=stride)  # [n, C k k, P]
+    d = grad.reshape(n, grad.shape[1], math.prod(grad.shape[2:])).transpose(1, 2)  # [n, P, out]
+    return Factored(d, cols.transpose(1, 2), layer.weight.shape[0], layer.weight.shape), d.sum(1)
+
+
+def _is_hf_conv1d(layer: nn.Module) -> bool:
+    cls = type(layer)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
+
+
+def _plain(layer: nn.Module, base: type[nn.Module]) -> bool:
+    return isinstance(layer, base) and type(layer).forward is base.forward
+
+
+def factored_kind(layer: nn.Module) -> Callable[[nn.Module, LayerCall, Tensor], tuple[Factored, Tensor | None]] | None:
+    """The factorisation of ``layer``'s weight gradient, or ``None`` if it has none here."""
+    if _plain(layer, nn.Linear):
+        return _linear
+    if _plain(layer, nn.Embedding):
+        return _embedding
+    if _is_hf_conv1d(layer):
+        return _hf_conv1d
+    for conv in (nn.Conv1d, nn.Conv2d):
+        if _plain(layer, conv):
+            plain_padding = not isinstance(layer.padding, str) or layer.padding == "valid"
+            if layer.groups == 1 and layer.padding_mode == "zeros" and plain_padding:
+                return _conv
+    return None
+
+
+def weight_tokens(layer: nn.Module, call: LayerCall, grad: Tensor) -> int:
+    """T, the rows per example of ``layer``'s factored weight gradient in this call."""
+    if isinstance(layer, (nn.Conv1d, nn.Conv2d)):
+        return math.prod(grad.shape[2:])
+    return math.prod(grad.shape[1:-1]) if grad.dim() > 2 else 1
+
+
+@register_engine("book_keeping")
+class BookKeeping(Engine):
+    """A and Δ kept, weight gradients never formed where the ghost norm pays; the rest instantiated."""
+
+    def __init__(self, functorch_fallback: bool = False) -> None:
+        super().__init__(functorch_fallback)
+        self._fallback = Instantiate(functorch_fallback)
+
+    def grads(self, layer: nn.Module, call: LayerCall, output_grads: OutputGrads) -> dict[nn.Parameter, PerExampleGrad]:
+        kind, grad = factored_kind(layer), output_grads[0]
+        if kind is None or grad is None or not self.factor(layer, call, grad):
+            return self._fallback.grads(layer, call, output_grads)
+        weight, bias_grad = kind(layer, call, grad)
+        out: dict[nn.Parameter, PerExampleGrad] = {}
+        if layer.weight.requires_grad:
+            out[layer.weight] = weight
+        bias = getattr(layer, "bias", None)
+        if isinstance(bias, nn.Parameter) and bias.requires_grad and bias_grad is not None:
+            out[bias] = Dense(bias_grad)
+        return out
+
+    def factor(self, layer: nn.Module, call: LayerCall, grad: Tensor) -> bool:
+        """Whether to keep this call factored (always, for book-keeping)."""
+        return True
+
+    def describe(self, layer: nn.Module) -> str:
+        if factored_kind(layer) is None:
+            return self._fallback.describe(layer)
+        limit = math.isqrt(max(math.prod(layer.weight.shape) // 2 - 1, 0))
+        return f"book_keeping (ghost norm for T <= {limit})"
+
+
+@register_engine("auto")
+class Auto(BookKeeping):
+    """Book-keeping for calls where the ghost norm pays (2T² < a·b), instantiation for the others."""
+
+    def factor(self, layer: nn.Module, call: LayerCall, grad: Tensor) -> bool:
+        return 2 * weight_tokens(layer, call, grad) ** 2 < math.prod(layer.weight.shape)
+
+    def describe(self, layer: nn.Module) -> str:
+        if factored_kind(layer) is None:
+            return self._fallback.describe(layer)
+        limit = math.isqrt(max(math.prod(layer.weight.shape) // 2 - 1, 0))
+        return f"book_keeping for T <= {limit}, else instantiate"

@@ -1,0 +1,228 @@
+"""The privacy accounting of a DP run: sampling, σ, the ledger and its checkpoint state (no Trainer).
+
+Everything here is a public value (σ, q, N, δ, the steps taken), identical on every rank,
+so it may be logged and checkpointed. The strategy tells it the sampling (when the train
+loader is known) and the planned number of steps (for calibration); it counts one
+subsampled Gaussian step per release.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from dplightning.privacy.accounting import (
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    combined_noise_multiplier,
+    compute_epsilon,
+    split_noise_multiplier,
+)
+from dplightning.strategies.config import DPConfig
+
+
+class PrivacyAccounting:
+    """σ, q, N, δ and the ledger of one run.
+
+    Args:
+        config: The strategy's DP arguments.
+    """
+
+    def __init__(self, config: DPConfig) -> None:
+        self.config = config
+        self.ledger = PrivacyLedger(config.accountant)
+        self.noise_multiplier: float | None = config.noise_multiplier
+        """σ of the gradient; ``None`` until calibrated from ``target_epsilon``."""
+        self.sample_rate: float | None = None
+        self.num_samples: int | None = None
+        self._delta = config.delta
+        self._step_releases: dict[str, float] = {}
+        self._resumed_sampling: tuple[float | None, int | None] | None = None
+
+    # ------------------------------------------------------------------ public values
+
+    @property
+    def delta(self) -> float | None:
+        """δ: as given, or 1/(10·N) once the training set size N is known."""
+        if self._delta is None and self.num_samples:
+            return 1.0 / (10 * self.num_samples)
+        return self._delta
+
+    @property
+    def expected_batch_size(self) -> float | None:
+        """The public expected batch size q·N that the noisy sum is divided by."""
+        if self.sample_rate is None or self.num_samples is None:
+            return None
+        return self.sample_rate * self.num_samples
+
+    @property
+    def step_releases(self) -> dict[str, float]:
+        """Registered per-step releases besides the gradient: name -> noise multiplier."""
+        return dict(self._step_releases)
+
+    @property
+    def accounted_noise_multiplier(self) -> float | None:
+        """σ the ledger records per step: σ_eff of the gradient and every registered step release."""
+        if self.noise_multiplier is None or not self._step_releases:
+            return self.noise_multiplier
+        return combined_noise_multiplier([self.noise_multiplier, *self._step_releases.values()])
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """Exact ε spent so far at ``delta`` (default: the run's δ); ``inf`` without Poisson sampling."""
+        if not self.config.poisson_sampling:
+            return math.inf
+        delta = delta if delta is not None else self.delta
+        if delta is None:
+            raise RuntimeError("δ is unknown until the training set size is known; pass delta explicitly.")
+        return self.ledger.get_epsilon(delta)
+
+    def epsilon_bound(self, delta: float | None = None) -> float:
+        """Cheap upper bound on ε for progress bars (see :meth:`PrivacyLedger.epsilon_bound`)."""
+        if not self.config.poisson_sampling:
+            return math.inf
+        delta = delta if delta is not None else self.delta
+        return self.ledger.epsilon_bound(delta) if delta is not None else math.nan
+
+    # ------------------------------------------------------------------ the run
+
+    def register_step_release(self, name: str, noise_multiplier: float) -> None:
+        """Account one more Gaussian release made at every step from the step's Poisson sample.
+
+        See :meth:`dplightning.DPStrategy.register_step_release`.
+        """
+        if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
+            raise ValueError(f"Step release {name!r} needs a finite noise multiplier > 0, got {noise_multiplier}.")
+        calibrated = self.config.target_epsilon is not None and self.noise_multiplier is not None
+        if calibrated and self._step_releases.get(name) != float(noise_multiplier):
+            raise RuntimeError(
+                f"σ was already calibrated for target_epsilon={self.config.target_epsilon} without step release "
+                f"{name!r}; register step releases before fit starts (in Callback.setup)."
+            )
+        self._step_releases[name] = float(noise_multiplier)
+
+    def set_sampling(self, num_samples: int, sample_rate: float) -> None:
+        """Record N and q of the train loader; check a resumed run's sampling against them.
+
+        Raises:
+            ValueError: If q is outside (0, 1], or a ``target_epsilon`` run resumes at another q.
+        """
+        if not 0 < sample_rate <= 1:
+            raise ValueError(
+                f"Sampling rate q = batch_size x world_size / N = {sample_rate:.4g} must lie in (0, 1]; "
+                f"lower the train loader's batch_size (N = {num_samples})."
+            )
+        self.num_samples, self.sample_rate = num_samples, sample_rate
+        if self.delta is not None and self.delta >= 1.0 / num_samples:
+            rank_zero_warn(
+                f"delta = {self.delta:.3g} >= 1/N = {1 / num_samples:.3g}: a mechanism that releases one random "
+                "example satisfies this δ. Use δ << 1/N (default 1/(10N)).",
+                stacklevel=2,
+            )
+        self._check_resumed_sampling()
+
+    def plan(self, total_steps: int | None) -> None:
+        """Calibrate σ for ``target_epsilon`` over ``total_steps``, or warn if a resumed run will overspend it."""
+        if total_steps is not None:
+            self.ledger.grid_min_gap = max(1, total_steps // 100)  # ~100 accountant calls for the progress bar
+        if self.config.target_epsilon is None:
+            return
+        if total_steps is None:
+            raise ValueError("target_epsilon needs a finite training length: set max_epochs or max_steps.")
+        if self.noise_multiplier is None:
+            self._calibrate(total_steps)
+        elif self.ledger.steps:
+            self._warn_if_resumed_run_overspends(total_steps)
+
+    def _calibrate(self, total: int) -> None:
+        assert self.config.target_epsilon is not None and self.sample_rate is not None and self.delta is not None
+        rank_zero_info(
+            f"Calibrating σ for ε = {self.config.target_epsilon} over {total} steps ({self.config.accountant})..."
+        )
+        effective = calibrate_noise_multiplier(
+            self.config.target_epsilon, self.delta, self.sample_rate, total, self.config.accountant
+        )
+        # The ledger records σ_eff of everything released per step; the gradient gets what the releases leave.
+        self.noise_multiplier = split_noise_multiplier(effective, self._step_releases.values())
+        shared = f" (σ_eff = {effective:.4f} with step releases {self.step_releases})" if self._step_releases else ""
+        rank_zero_info(f"Calibrated noise multiplier σ = {self.noise_multiplier:.4f}{shared}.")
+
+    def _check_resumed_sampling(self) -> None:
+        resumed, self._resumed_sampling = self._resumed_sampling, None
+        if resumed is None:
+            return
+        old_q, old_n = resumed
+        if old_q is None or (old_q == self.sample_rate and old_n == self.num_samples):
+            return
+        change = (
+            f"This run resumes a checkpoint that sampled at q = {old_q:.4g} from N = {old_n} examples; now "
+            f"q = {self.sample_rate:.4g} from N = {self.num_samples} (another world size, batch size or data set)."
+        )
+        if self.config.target_epsilon is not None:
+            raise ValueError(
+                f"{change} σ = {self.noise_multiplier:.4g} was calibrated for target_epsilon = "
+                f"{self.config.target_epsilon} at the old q, so the budget would be overspent. Resume with the same "
+                "world size, batch size and data set, or continue with an explicit noise_multiplier (ε is then "
+                "accounted at the new q)."
+            )
+        rank_zero_warn(f"{change} The ledger accounts the new q from here on; ε stays exact.", stacklevel=3)
+
+    def _warn_if_resumed_run_overspends(self, total: int) -> None:
+        remaining = total - self.ledger.steps
+        sigma, q, delta = self.accounted_noise_multiplier, self.sample_rate, self.delta
+        if remaining <= 0 or sigma is None or q is None or delta is None:
+            return
+        projected = compute_epsilon([*self.ledger.history, (sigma, q, remaining)], delta, self.config.accountant)
+        if projected > self.config.target_epsilon:  # type: ignore[operator]
+            rank_zero_warn(
+                f"The resumed run keeps σ = {self.noise_multiplier:.4g}, calibrated for target_epsilon = "
+                f"{self.config.target_epsilon} over the original run, but now plans {remaining} more steps: it will "
+                f"end at ε = {projected:.4g} > {self.config.target_epsilon}. The reported ε stays exact; add "
+                "dplightning.callbacks.PrivacyBudget to stop at the budget, or keep max_steps / max_epochs.",
+                stacklevel=3,
+            )
+
+    def step(self) -> None:
+        """Count one noisy release (one subsampled Gaussian step at σ_eff and q)."""
+        if self.config.poisson_sampling:
+            assert self.accounted_noise_multiplier is not None and self.sample_rate is not None
+            self.ledger.step(self.accounted_noise_multiplier, self.sample_rate)
+
+    def report(self, engine: str) -> str:
+        """One line with the final (ε, δ) and the parameters that produced it."""
+        releases = self._step_releases
+        shared = f"; σ_eff = {self.accounted_noise_multiplier:.4g} with {releases}" if releases else ""
+        return (
+            f"DP-SGD: (ε = {self.get_epsilon():.4g}, δ = {self.delta:.3g}) after {self.ledger.steps} steps "
+            f"[σ = {self.noise_multiplier:.4g}, q = {self.sample_rate:.4g}, C = {self.config.max_grad_norm}, "
+            f"clipping = {self.config.clipping}, engine = {engine}, accountant = {self.config.accountant}{shared}]"
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Public privacy state for checkpoints (never any seed or generator state)."""
+        return {
+            "ledger": self.ledger.state_dict(),
+            "noise_multiplier": self.noise_multiplier,
+            "target_epsilon": self.config.target_epsilon,
+            "max_grad_norm": self.config.max_grad_norm,
+            "sample_rate": self.sample_rate,
+            "num_samples": self.num_samples,
+            "delta": self.delta,
+            "clipping": self.config.clipping,
+            "clipping_engine": self.config.clipping_engine,
+            "poisson_sampling": self.config.poisson_sampling,
+            "step_releases": dict(self._step_releases),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the run saved by :meth:`state_dict` (checked against the new sampling in :meth:`set_sampling`)."""
+        self.ledger.load_state_dict(state["ledger"])
+        self._resumed_sampling = (state.get("sample_rate"), state.get("num_samples"))
+        if self.config.target_epsilon is not None and state.get("noise_multiplier") is not None:
+            self.noise_multiplier = float(state["noise_multiplier"])  # keep the σ the run was calibrated with
+        if self._delta is None and state.get("delta") is not None:
+            self._delta = float(state["delta"])
+        rank_zero_info(f"Resumed privacy ledger: {self.ledger.steps} steps, history {list(self.ledger.history)}.")

@@ -1,0 +1,153 @@
+"""The DP strategies' arguments, written once: defaults, documentation and validation.
+
+Both strategies take these arguments next to their Lightning ones. They are declared
+once, as the fields of :class:`DPConfig`; :func:`dp_arguments` adds them to a strategy's
+``__init__`` signature and ``Args:`` docstring, which is what ``LightningCLI`` reads for
+``--trainer.strategy.help`` and YAML validation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
+from typing import Literal, TypeVar, get_type_hints
+
+from dplightning.privacy.accounting import check_accountant
+from dplightning.privacy.clipping import available_clipping
+from dplightning.privacy.grad_sample import GRAD_SAMPLE_MODES, available_engines
+
+NOISE_PLACEMENTS = {
+    "rank0": "rank 0 adds N(0, (σΔ)²); the other ranks add none",
+    "split": "every rank adds N(0, (σΔ)²/W) from its own generator; the variances sum to (σΔ)²",
+}
+VERIFY_GRADIENTS = {
+    "first_steps": "the first steps with data, and the first steps after the trainable parameters change",
+    "always": "every backward pass",
+    "never": "no check",
+}
+
+_DOCS = {
+    "noise_multiplier": "σ, the noise std in units of the sensitivity. Exactly one of ``noise_multiplier`` and "
+    "``target_epsilon``; 0 disables noise (ε = inf).",
+    "target_epsilon": "ε to reach at the end of training; σ is calibrated from ``max_epochs``/``max_steps``, q "
+    "and δ when fit starts.",
+    "max_grad_norm": "Clipping bound C (the joint sensitivity for group clipping).",
+    "delta": "δ; default 1/(10·N) with N the training set size.",
+    "accountant": '``"prv"`` (default), ``"rdp"`` or ``"gdp"`` (Opacus\' accountants).',
+    "clipping": '``"flat"`` (one norm over all parameters), ``"per_layer"`` or ``"per_matrix"`` (each weight '
+    "matrix its own group, the rest one group); an optimizer's DP plan may set its own groups.",
+    "clipping_engine": '``"auto"`` (default: per layer, the ghost norm where it pays, else formed per-example '
+    'gradients), ``"book_keeping"`` or ``"instantiate"``. The engine of every layer is printed at setup.',
+    "poisson_sampling": "Replace the train loader's sampler by Poisson sampling with q = batch_size x world_size "
+    "/ N. ``False`` keeps the loader and reports ε = inf.",
+    "secure_mode": "Draw noise and sampling decisions from the OS CSPRNG (slow).",
+    "loss_reduction": '``"mean"`` if ``training_step`` averages the loss over the privacy units of the batch '
+    '(the usual case), ``"sum"`` if it sums it.',
+    "grad_sample_mode": '``"hooks"`` (registered per-layer samplers and engines only) or ``"functorch"`` '
+    "(``torch.func`` for layers without one).",
+    "verify_gradients": "Check that autograd's gradient equals the sum of the per-example gradients, and refuse to "
+    'train if not (a contribution escaped the per-example hooks): ``"first_steps"`` (default: the first steps with '
+    'data, and again after the trainable parameters change), ``"always"`` or ``"never"``.',
+    "bucket_cap_mb": "Size of the fp32 buckets that are noised (and, across processes, all-reduced).",
+    "seed": "FOR TESTS ONLY. Noise and sampling seeds otherwise come from OS entropy (expanded per seed, rank and "
+    "step); a seed lets whoever knows it subtract the noise.",
+    "noise_placement": '``"rank0"`` (default): rank 0 adds all the noise, so a test can regenerate it exactly; '
+    '``"split"``: each rank adds N(0, (σΔ)²/W) from its own generator, which balances the work of drawing noise.',
+}
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """The DP arguments of a strategy, validated once when the strategy is built (see :data:`_DOCS`)."""
+
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    max_grad_norm: float = 1.0
+    delta: float | None = None
+    accountant: Literal["prv", "rdp", "gdp"] = "prv"
+    clipping: str = "flat"
+    clipping_engine: str = "auto"
+    poisson_sampling: bool = True
+    secure_mode: bool = False
+    loss_reduction: Literal["mean", "sum"] = "mean"
+    grad_sample_mode: Literal["hooks", "functorch"] = "hooks"
+    verify_gradients: Literal["first_steps", "always", "never"] = "first_steps"
+    bucket_cap_mb: float = 25.0
+    seed: int | None = None
+    noise_placement: Literal["rank0", "split"] = "rank0"
+
+    def __post_init__(self) -> None:
+        self._check_noise()
+        if not self.max_grad_norm > 0 or not math.isfinite(self.max_grad_norm):
+            raise ValueError(f"max_grad_norm (the clipping bound C) must be finite and > 0, got {self.max_grad_norm}.")
+        if self.delta is not None and not 0 < self.delta < 1:
+            raise ValueError(f"delta must lie in (0, 1), got {self.delta}.")
+        check_accountant(self.accountant)
+        _check_choice("clipping", self.clipping, available_clipping())
+        _check_choice("clipping_engine", self.clipping_engine, available_engines())
+        _check_choice("loss_reduction", self.loss_reduction, ["mean", "sum"])
+        _check_choice("grad_sample_mode", self.grad_sample_mode, sorted(GRAD_SAMPLE_MODES))
+        _check_choice("verify_gradients", self.verify_gradients, sorted(VERIFY_GRADIENTS))
+        _check_choice("noise_placement", self.noise_placement, sorted(NOISE_PLACEMENTS))
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}.")
+
+    def _check_noise(self) -> None:
+        sigma, eps = self.noise_multiplier, self.target_epsilon
+        if (sigma is None) == (eps is None):
+            raise ValueError(
+                "Pass exactly one of noise_multiplier (σ) or target_epsilon (the ε to reach at the end of training), "
+                f"got noise_multiplier={sigma}, target_epsilon={eps}."
+            )
+        if sigma is not None:
+            if sigma < 0 or not math.isfinite(sigma):
+                raise ValueError(f"noise_multiplier must be finite and >= 0, got {sigma}.")
+            if sigma == 0:
+                warnings.warn(
+                    "noise_multiplier=0 adds no noise: ε is infinite (use it only for debugging).", stacklevel=5
+                )
+        if eps is not None:
+            if not eps > 0 or not math.isfinite(eps):
+                raise ValueError(f"target_epsilon must be finite and > 0, got {eps}.")
+            if not self.poisson_sampling:
+                raise ValueError("target_epsilon needs poisson_sampling=True: the accountant assumes Poisson sampling.")
+
+
+def _check_choice(name: str, value: object, choices: list[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"Unknown {name} {value!r}; choose one of {choices}.")
+
+
+_C = TypeVar("_C", bound=type)
+
+
+def dp_arguments(exclude: tuple[str, ...] = ()) -> Callable[[_C], _C]:
+    """Class decorator: the strategy's ``__init__`` takes :class:`DPConfig`'s fields as keyword arguments.
+
+    The decorated ``__init__`` receives them in ``**dp`` (build ``DPConfig(**dp)`` from it).
+    Its signature, as ``inspect.signature`` and LightningCLI see it, lists the DP fields
+    first, then the strategy's own arguments; the class docstring's ``Args:`` section gets
+    their documentation. ``exclude`` leaves out fields that do not apply to the strategy.
+    """
+
+    def decorate(cls: _C) -> _C:
+        init = cls.__init__
+        own = inspect.signature(init)
+        kept = [f for f in fields(DPConfig) if f.name not in exclude]
+        types = get_type_hints(DPConfig)  # resolved here: the strategy's module need not import Literal
+        dp_params = [
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=types[f.name])
+            for f in kept
+            if f.default is not MISSING
+        ]
+        others = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        positional, keyword = others[:1], [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in others[1:]]
+        init.__signature__ = own.replace(parameters=[*positional, *dp_params, *keyword])  # type: ignore[attr-defined]
+        docs = "".join(f"        {f.name}: {_DOCS[f.name]}\n" for f in kept)
+        cls.__doc__ = (cls.__doc__ or "").replace("    Args:\n", "    Args:\n" + docs, 1)
+        return cls
+
+    return decorate

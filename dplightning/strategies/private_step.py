@@ -1,0 +1,284 @@
+"""The private step: per-example gradients, clipping into buckets, noise once, the release.
+
+One object per fit, built at setup from the module and its optimizer; the strategy calls
+it at four points of every optimizer step, each a named template step:
+
+1. :meth:`PrivateStep.batch` around ``training_step``: hooks capture the layers' calls.
+2. :meth:`PrivateStep.after_backward` after each backward pass: the engines' per-example
+   gradients are verified against autograd (first steps), then clipped into the fp32
+   buckets (automatic optimization) or summed with the batch's other backward passes
+   (manual optimization). The raw ``p.grad`` never survives a backward pass.
+3. :meth:`PrivateStep.release` once per optimizer step: noise once, the cross-rank sum,
+   division by the public expected batch, then ``p.grad`` (and the optimizer's DP plan, if
+   it has one) receive the noisy mean.
+4. :meth:`PrivateStep.close` at teardown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+
+from dplightning.privacy.clipping import ClipGroup, make_clip_groups
+from dplightning.privacy.grad_sample import PerExampleGrad, PerExampleHooks, SlotTransform
+from dplightning.privacy.grad_sample.grads import add
+from dplightning.privacy.mechanism import BucketReducer, GradientPrivatizer, MicroBatchStats, verify_per_example_sum
+from dplightning.privacy.noise import GaussianNoise
+from dplightning.protocols import DPPlan, DPPlanned, DPRelease
+from dplightning.strategies.config import DPConfig
+
+VERIFIED_STEPS = 2
+"""Steps with a non-empty batch that ``verify_gradients="first_steps"`` checks after each (re)planning."""
+
+
+class PrivateStep:
+    """Per-example gradients, clipping, noise and release for one module and its optimizer.
+
+    Args:
+        config: The strategy's DP arguments.
+        module: The LightningModule (hooked in place).
+        optimizer: Its single optimizer; its trainable parameters are privatized.
+        noise: This rank's noise source.
+    """
+
+    def __init__(self, config: DPConfig, module: nn.Module, optimizer: Optimizer, noise: GaussianNoise) -> None:
+        self.config = config
+        self.module = module
+        self.optimizer = optimizer
+        self.noise = noise
+        self.last_step_stats: list[MicroBatchStats] = []
+        self.nonfinite_examples = 0
+        self._stats: list[MicroBatchStats] = []
+        self._pending: dict[nn.Parameter, list[PerExampleGrad]] = {}
+        self._pending_scale = 1.0
+        self._suspended: list[nn.Parameter] = []
+        self._batch_units: int | None = None
+        self._rows_per_unit = 1
+        self._verify_left = 0
+        self._verified_rows = False
+        self.hooks: PerExampleHooks | None = None
+        self.plan()
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(self) -> None:
+        """Hook the layers of the optimizer's trainable parameters and lay out their buckets.
+
+        Runs at setup and again when the trainable parameters change (see :meth:`replan_if_changed`).
+        """
+        named = _privatized_parameters(self.module, self.optimizer)
+        plan = (
+            self.optimizer.dp_plan(named, self.config.max_grad_norm)
+            if isinstance(self.optimizer, DPPlanned)
+            else DPPlan()
+        )
+        groups = plan.groups or make_clip_groups(self.config.clipping, named, self.config.max_grad_norm)
+        _check_partition(groups, named)
+        self.transforms: dict[nn.Parameter, SlotTransform] = dict(plan.transforms)
+        if self.hooks is not None:
+            self.hooks.close()
+        self.hooks = PerExampleHooks(
+            self.module,
+            [p for _, p in named],
+            engine=self.config.clipping_engine,
+            functorch_fallback=self.config.grad_sample_mode == "functorch",
+            transforms=self.transforms,
+        )
+        self.hooks.capturing = False
+        slot_shapes = {p: t.slot_shape(p.shape) for p, t in self.transforms.items()}
+        self.privatizer = GradientPrivatizer(groups, bucket_cap_mb=self.config.bucket_cap_mb, slot_shapes=slot_shapes)
+        self._signature = _trainable_signature(self.optimizer)
+        self._verify_left = VERIFIED_STEPS if self.config.verify_gradients == "first_steps" else 0
+
+    def replan_if_changed(self, step: int) -> None:
+        """Re-plan if the optimizer's trainable parameters differ from the planned ones (call between steps)."""
+        if _trainable_signature(self.optimizer) == self._signature:
+            return
+        before = len(self._signature)
+        self.plan()
+        rank_zero_info(
+            f"The trainable parameters changed at step {step} ({before} -> {len(self._signature)} tensors): "
+            "per-example hooks and buckets re-planned."
+        )
+
+    def summary(self) -> str:
+        """The engine of every hooked layer, as a table."""
+        assert self.hooks is not None
+        rows = [("layer", "type", "params", "engine")] + [
+            (name, kind, f"{count:,}", engine) for name, kind, count, engine in self.hooks.summary()
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+    @property
+    def groups(self) -> list[ClipGroup]:
+        """The clipping groups in :class:`MicroBatchStats` column order."""
+        return self.privatizer.groups
+
+    # ------------------------------------------------------------------ one batch
+
+    @property
+    def verifying(self) -> bool:
+        """Whether this step's backward passes are checked against autograd's gradient."""
+        return self.config.verify_gradients == "always" or self._verify_left > 0
+
+    @contextmanager
+    def batch(self, units: int | None, rows_per_unit: int, automatic: bool) -> Iterator[None]:
+        """Capture one training batch of ``units`` privacy units, ``rows_per_unit`` forward rows each.
+
+        Outside verification, autograd's own weight gradients are turned off for the batch (the
+        engines need only the layers' inputs and output gradients): from here to the end of its
+        backward pass under automatic optimization, to the end of ``training_step`` under manual.
+        """
+        assert self.hooks is not None
+        self._batch_units, self._rows_per_unit = units, rows_per_unit
+        self.restore_weight_grads()
+        if not self.verifying:
+            self._suspended = [p for p in self.privatizer.params if p.requires_grad]
+            for p in self._suspended:
+                p.requires_grad_(False)
+        rows = None if units is None else units * rows_per_unit
+        try:
+            with self.hooks.capture(rows):
+                yield
+        finally:
+            if not automatic:
+                self.restore_weight_grads()
+
+    def restore_weight_grads(self) -> None:
+        """Give back ``requires_grad`` to the parameters :meth:`batch` turned it off for."""
+        for p in self._suspended:
+            p.requires_grad_(True)
+        self._suspended = []
+
+    @property
+    def pending(self) -> bool:
+        """Whether backward passes of the current batch await their release (manual optimization)."""
+        return bool(self._pending)
+
+    def after_backward(self, loss_divisor: int, automatic: bool) -> None:
+        """Take the per-example gradients of one backward pass; drop autograd's raw gradient.
+
+        Args:
+            loss_divisor: What the loss was divided by before its backward (Lightning's k under
+                automatic optimization, 1 under manual).
+            automatic: Automatic optimization: the backward pass covers a whole micro-batch, clip now.
+        """
+        units = self._batch_units or 0
+        # From the captured gradients of the backpropagated loss to each unit's own gradient.
+        scale = float(loss_divisor) * (units if self.config.loss_reduction == "mean" and units else 1)
+        assert self.hooks is not None
+        if automatic:
+            self.restore_weight_grads()
+        grads = self.hooks.pop(self._rows_per_unit)
+        if self.verifying:
+            self._verify(grads)
+        for p in self.module.parameters():
+            if p.requires_grad:
+                p.grad = None  # the raw sum is not private; only the released gradient may reach the optimizer
+        if automatic:
+            self._clip(grads, scale)
+        else:
+            self._pending_scale = scale
+            for p, g in grads.items():
+                self._pending.setdefault(p, []).append(g)
+
+    def _clip(self, grads: dict[nn.Parameter, PerExampleGrad], scale: float) -> None:
+        stats = self.privatizer.accumulate(grads, scale=scale)
+        units = stats.norms.shape[0]
+        if grads and self._batch_units is not None and units != self._batch_units:
+            raise RuntimeError(
+                f"Per-example gradients have {units} rows but the batch has {self._batch_units} examples: is a layer "
+                "fed sequence-first (batch_first=False) input? The privacy unit must be the batch's first dimension."
+            )
+        self.nonfinite_examples += stats.nonfinite
+        self._stats.append(stats)
+
+    def _verify(self, grads: dict[nn.Parameter, PerExampleGrad]) -> None:
+        # The captured per-row gradients are of the loss as backpropagated, like p.grad: no rescaling.
+        mismatched = verify_per_example_sum(self.privatizer.params, grads, 1.0, self.transforms)
+        if self._batch_units:
+            self._verified_rows = True
+        if mismatched:
+            names = {p: n for n, p in self.module.named_parameters()}
+            listed = ", ".join(f"{names.get(p, '?')} (relative error {err:.2g})" for p, err in mismatched[:8])
+            raise RuntimeError(
+                f"Autograd's gradient differs from the sum of the per-example gradients for: {listed}. Part of these "
+                "parameters' gradient bypasses the per-example hooks, so it could not be clipped per example: a "
+                "weight used outside its own module's forward (F.linear(h, emb.weight), a penalty on a weight in "
+                "training_step), or a custom autograd path. Use the weight through its module (tie it to an "
+                "nn.Linear), move weight penalties into the optimizer (weight_decay), or freeze it. "
+                "(verify_gradients='never' turns this check off.)"
+            )
+
+    # ------------------------------------------------------------------ the release
+
+    def release(
+        self,
+        local_noise_std: float,
+        noise_std: float,
+        expected_batch_size: float,
+        reduce: BucketReducer | None,
+        step: int,
+    ) -> None:
+        """Noise once, sum across ranks, divide by q·N; then ``p.grad`` and the optimizer's plan receive it.
+
+        Args:
+            local_noise_std: Std of the noise this rank adds.
+            noise_std: Std of the total noise on the clipped sum, σΔ.
+            expected_batch_size: The public q·N.
+            reduce: The cross-rank sum of one bucket, or ``None`` on one process.
+            step: Index of this noisy step.
+        """
+        self.restore_weight_grads()
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            self._clip({p: add(parts) for p, parts in pending.items()}, self._pending_scale)
+        if self._verify_left and self._verified_rows:
+            self._verify_left -= 1
+        self._verified_rows = False
+        self.noise.start_step(step)
+        self.privatizer.release(self.noise, local_noise_std, expected_batch_size, reduce)
+        if isinstance(self.optimizer, DPPlanned):
+            slots = {p: self.privatizer.slot(p) for p in self.privatizer.params}
+            self.optimizer.dp_release(DPRelease(slots, noise_std / expected_batch_size, self.groups, step))
+        self.last_step_stats, self._stats = self._stats, []
+
+    def close(self) -> None:
+        """Remove every hook; give back ``requires_grad``."""
+        self.restore_weight_grads()
+        if self.hooks is not None:
+            self.hooks.close()
+        self.hooks = None
+        self._pending = {}
+        self._stats = []
+
+
+def _privatized_parameters(module: nn.Module, optimizer: Optimizer) -> list[tuple[str, nn.Parameter]]:
+    names = {p: n for n, p in module.named_parameters()}
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    foreign = [p for p in in_optimizer if p not in names]
+    if foreign:
+        raise ValueError(f"The optimizer holds {len(foreign)} trainable tensors that are not parameters of the module.")
+    left_out = sorted(n for p, n in names.items() if p.requires_grad and p not in set(in_optimizer))
+    if left_out:
+        rank_zero_warn(f"Trainable parameters not in the optimizer get no gradient under DP: {left_out[:5]}...")
+    return [(names[p], p) for p in dict.fromkeys(in_optimizer)]
+
+
+def _trainable_signature(optimizer: Optimizer) -> tuple[int, ...]:
+    return tuple(id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
+
+
+def _check_partition(groups: list[ClipGroup], named: list[tuple[str, nn.Parameter]]) -> None:
+    grouped = [p for g in groups for p in g.params]
+    if len(grouped) != len(set(grouped)) or set(grouped) != {p for _, p in named}:
+        raise ValueError(
+            "The clip groups must partition the privatized parameters (each trainable parameter of the optimizer "
+            "in exactly one group)."
+        )
