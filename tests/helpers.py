@@ -122,8 +122,13 @@ def make_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(strategy=strategy, **defaults)
 
 
+ENGINE = "auto"
+"""Clipping engine of the strategies the helpers build; the invariant suites run with each one."""
+
+
 def dp(**kwargs: Any) -> dplightning.DPStrategy:
     kwargs.setdefault("noise_multiplier", 0.0)
+    kwargs.setdefault("clipping_engine", ENGINE)
     kwargs.setdefault("max_grad_norm", 1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sigma = 0 warns by design
@@ -184,6 +189,7 @@ def run_ddp(
     """Fit on ``world`` spawned CPU/gloo ranks; return every rank's :class:`DumpRankState` record."""
     strategy_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _DP_ARGS}
     strategy_kwargs.setdefault("noise_multiplier", 0.0)
+    strategy_kwargs.setdefault("clipping_engine", ENGINE)
     strategy_kwargs = {k: v for k, v in strategy_kwargs.items() if v is not None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -209,4 +215,5 @@ _DP_ARGS = {
     "bucket_cap_mb",
     "poisson_sampling",
     "timeout",
+    "clipping_engine",
 }

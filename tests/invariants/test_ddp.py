@@ -26,9 +26,10 @@ N, BATCH, WORLD = 64, 8, 2  # per-process batch 8: q = 8 * 2 / 64 = 0.25, expect
 B = BATCH * WORLD
 
 
-def test_ranks_stay_bitwise_identical_and_share_one_epsilon(tmp_path) -> None:
+@pytest.mark.parametrize("engine", ["auto", "instantiate"])
+def test_ranks_stay_bitwise_identical_and_share_one_epsilon(tmp_path, engine: str) -> None:
     torch.manual_seed(0)
-    ranks = run_ddp(TinyModule(lr=0.3), loader(make_dataset(N), BATCH), str(tmp_path),
+    ranks = run_ddp(TinyModule(lr=0.3), loader(make_dataset(N), BATCH), str(tmp_path), clipping_engine=engine,
                     noise_multiplier=1.0, max_steps=6, accumulate_grad_batches=2)  # fmt: skip
     first, second = ranks
     for name in first["params"]:
@@ -44,24 +45,36 @@ def test_ranks_stay_bitwise_identical_and_share_one_epsilon(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("clipping", "manual", "precision", "tolerance"),
-    [("flat", False, "32-true", 1e-5), ("per_layer", False, "32-true", 1e-5), ("flat", True, "bf16-mixed", 5e-2)],
-    ids=["flat", "per_layer", "manual-bf16"],
+    ("clipping", "engine", "manual", "precision", "tolerance"),
+    [
+        ("flat", "auto", False, "32-true", 1e-5),
+        ("flat", "book_keeping", False, "32-true", 1e-5),
+        ("flat", "instantiate", False, "32-true", 1e-5),
+        ("per_layer", "auto", False, "32-true", 1e-5),
+        ("per_matrix", "book_keeping", False, "32-true", 1e-5),
+        ("flat", "auto", True, "bf16-mixed", 5e-2),
+    ],
+    ids=["flat", "flat-book_keeping", "flat-instantiate", "per_layer", "per_matrix-book_keeping", "manual-bf16"],
 )
 def test_zero_noise_step_equals_one_process_on_the_union(
-    tmp_path, clipping: str, manual: bool, precision: str, tolerance: float
+    tmp_path, clipping: str, engine: str, manual: bool, precision: str, tolerance: float
 ) -> None:
     torch.manual_seed(0)
     module = ManualModule() if manual else TinyModule()
     before = params_of(module)
     ranks = run_ddp(module, loader(make_dataset(N), BATCH), str(tmp_path), max_grad_norm=0.3, clipping=clipping,
-                    seed=4, bucket_cap_mb=1e-4, precision=precision)  # several buckets  # fmt: skip
+                    clipping_engine=engine, seed=4, bucket_cap_mb=1e-4,  # several buckets
+                    precision=precision)  # fmt: skip
     x = torch.cat([b[0] for r in ranks for b in r["batches"]])
     y = torch.cat([b[1] for r in ranks for b in r["batches"]])
     assert all(r["buckets"] > 1 for r in ranks)
     net = mlp()
     net.load_state_dict({k.removeprefix("net."): v for k, v in before.items()})
-    groups = [["0.weight", "0.bias"], ["2.weight", "2.bias"]] if clipping == "per_layer" else None
+    groups = {
+        "flat": None,
+        "per_layer": [["0.weight", "0.bias"], ["2.weight", "2.bias"]],
+        "per_matrix": [["0.weight"], ["2.weight"], ["0.bias", "2.bias"]],
+    }[clipping]
     expected = clipped_sum(per_example_grads(net, F.cross_entropy, x, y), 0.3, groups)
     for name, value in ranks[0]["params"].items():
         torch.testing.assert_close(

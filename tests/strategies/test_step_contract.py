@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import dplightning
+from dplightning.privacy.grad_sample import available_engines
 from tests.helpers import ManualModule, TinyModule, dp, loader, make_dataset, make_trainer, mlp, params_of
 from tests.reference import clipped_sum, per_example_grads
 
@@ -41,12 +42,13 @@ class _Repeats(ManualModule):
         opt.zero_grad()
 
 
+@pytest.mark.parametrize("engine", available_engines())
 @pytest.mark.parametrize("passes", [1, 2, 3])
-def test_backward_passes_over_one_batch_are_summed_before_clipping(passes: int) -> None:
+def test_backward_passes_over_one_batch_are_summed_before_clipping(passes: int, engine: str) -> None:
     torch.manual_seed(0)
     module = _Repeats(passes)
     before = params_of(module)
-    make_trainer(dp(max_grad_norm=0.3, seed=2)).fit(module, loader(make_dataset(N), BATCH))
+    make_trainer(dp(max_grad_norm=0.3, seed=2, clipping_engine=engine)).fit(module, loader(make_dataset(N), BATCH))
     x = torch.cat([b[0] for b in module.batches])
     y = torch.cat([b[1] for b in module.batches])
     net = mlp()
@@ -58,13 +60,14 @@ def test_backward_passes_over_one_batch_are_summed_before_clipping(passes: int) 
                                    rtol=1e-5, atol=1e-7)  # fmt: skip
 
 
-def test_one_example_moves_the_release_by_at_most_c_whatever_the_backward_passes() -> None:
+@pytest.mark.parametrize("engine", available_engines())
+def test_one_example_moves_the_release_by_at_most_c_whatever_the_backward_passes(engine: str) -> None:
     x = torch.zeros(1, 6)
     x[0, 0] = 1e3
     data = DataLoader(TensorDataset(x, torch.zeros(1, dtype=torch.long)), batch_size=1)  # q = 1, B = 1
     module = _Repeats(3)
     before = params_of(module)
-    make_trainer(dp(max_grad_norm=1.0)).fit(module, data)
+    make_trainer(dp(max_grad_norm=1.0, clipping_engine=engine)).fit(module, data)
     moved = math.sqrt(sum((before[n] - p.detach()).square().sum().item() for n, p in module.named_parameters()))
     assert moved <= 1.0 + 1e-6  # lr 1 x C / B; three separately clipped passes moved it by 3
 

@@ -63,12 +63,12 @@ class Projection(SlotTransform):
 
     def dense(self, grads: Tensor) -> Tensor:
         lead = grads.shape[: grads.dim() - len(self.shape)]
-        matrix, p = grads.reshape(*lead, self.shape[0], -1).float(), self.matrix.float()
+        matrix, p = grads.reshape(*lead, self.shape[0], -1).float(), self.matrix.to(grads.device, torch.float32)
         return matrix @ p.T if self.side == "right" else p @ matrix
 
     def factored(self, grad: Factored) -> Factored:
         dtype = grad.right.dtype
-        p = self.matrix.to(dtype)
+        p = self.matrix.to(grad.right.device, dtype)
         if self.side == "right":  # (L_iᵀ R_i) Pᵀ = L_iᵀ (R_i Pᵀ)
             return Factored(grad.left, grad.right @ p.T, grad.width, self.slot_shape(self.shape))
         # P (L_iᵀ R_i) = (L_i Pᵀ)ᵀ R_i; a one-hot L_i picks columns of P

@@ -1,0 +1,244 @@
+"""Every clipping engine gives the clipped sum of torch.func per-example gradients, on every layer type.
+
+The hooks and the mechanism are used without a Trainer: one forward and backward of a
+summed per-example loss, then the privatizer's clipped sum (σ = 0, divided by B = 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.pytorch_utils import Conv1D
+
+from dplightning.privacy.clipping import make_clip_groups
+from dplightning.privacy.grad_sample import Dense, Factored, PerExampleHooks, Summed, available_engines
+from dplightning.privacy.mechanism import GradientPrivatizer
+from tests.reference import per_example_grads
+
+N, CLASSES = 6, 3
+ENGINES = available_engines()
+
+
+class TokenMean(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(1)
+
+
+class Flatten(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.flatten(1)
+
+
+class Tied(nn.Module):
+    """An embedding tied to a linear head (GPT-2's weight tying): one parameter, two kinds of layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8, padding_idx=0)
+        self.mix = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 16, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.mix(self.embed(ids))).mean(1))[:, :CLASSES]
+
+
+class Twice(nn.Module):
+    """One layer called twice in a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared, self.head = nn.Linear(12, 12), nn.Linear(12, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.shared(torch.tanh(self.shared(x)))).mean(1))
+
+
+def _lora() -> nn.Module:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    base = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), TokenMean(), nn.Linear(6, CLASSES))
+    model = inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=["0", "3"]), base)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    for m in model.modules():  # random B, so the adapters' gradients are not trivially zero
+        if isinstance(m, nn.Linear) and m.out_features != 2 and m.weight.requires_grad:
+            nn.init.normal_(m.weight)
+    return model
+
+
+def _ids(t: int, vocab: int = 16) -> Tensor:
+    ids = torch.randint(1, vocab, (N, t), generator=torch.Generator().manual_seed(t))
+    ids[: N // 2, t // 2 :] = 0  # padded positions (padding_idx 0)
+    return ids
+
+
+def _x(*shape: int) -> Tensor:
+    return torch.randn(N, *shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+def _seq(*layers: nn.Module) -> nn.Sequential:
+    return nn.Sequential(*layers)
+
+
+# Sizes are such that the ghost norm pays (2T² < a·b) for most weights, except where T = 64.
+CASES = {
+    "linear-2d": lambda: (_seq(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, CLASSES)), _x(5)),
+    **{
+        f"linear-3d-T{t}": (
+            lambda t=t: (_seq(nn.Linear(16, 12), nn.Tanh(), TokenMean(), nn.Linear(12, CLASSES)), _x(t, 16))
+        )
+        for t in (1, 7, 64)
+    },
+    "conv1d": lambda: (_seq(nn.Conv1d(2, 4, 3, padding=1, stride=2), Flatten(), nn.Linear(12, CLASSES)), _x(2, 5)),
+    "conv2d": lambda: (_seq(nn.Conv2d(2, 3, 3, dilation=2), nn.Tanh(), Flatten(), nn.Linear(12, CLASSES)), _x(2, 6, 6)),
+    "embedding-padded": lambda: (_seq(nn.Embedding(16, 8, padding_idx=0), TokenMean(), nn.Linear(8, CLASSES)), _ids(5)),
+    "hf-conv1d": lambda: (_seq(Conv1D(12, 16), nn.Tanh(), TokenMean(), Conv1D(CLASSES, 12)), _x(7, 16)),
+    "layernorm": lambda: (_seq(nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, CLASSES)), _x(5)),
+    "groupnorm": lambda: (_seq(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), Flatten(), nn.Linear(64, CLASSES)), _x(2, 6, 6)),
+    "rmsnorm": lambda: (_seq(nn.Linear(5, 6), nn.RMSNorm(6), TokenMean(), nn.Linear(6, CLASSES)), _x(4, 5)),
+    "tied-embedding-head": lambda: (Tied(), _ids(6)),
+    "layer-called-twice": lambda: (Twice(), _x(3, 12)),
+    "peft-lora": lambda: (_lora(), _x(4, 5)),
+}
+
+
+def _build(case: str) -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(0)
+    model, x = CASES[case]()
+    return model, x, torch.arange(N) % CLASSES
+
+
+def _clipped_sum(model: nn.Module, x: Tensor, y: Tensor, engine: str, clipping: str, c: float) -> dict[str, Tensor]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    hooks = PerExampleHooks(model, [p for _, p in named], engine=engine)
+    try:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        grads = hooks.pop()
+    finally:
+        hooks.close()
+    privatizer = GradientPrivatizer(make_clip_groups(clipping, named, c))
+    privatizer.accumulate(grads)
+    privatizer.release(None, 0.0, expected_batch_size=1.0)
+    return {n: privatizer.slot(p).clone() for n, p in named}
+
+
+def _reference(model: nn.Module, x: Tensor, y: Tensor, clipping: str, c: float) -> dict[str, Tensor]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads = per_example_grads(model, F.cross_entropy, x, y)
+    groups = make_clip_groups(clipping, named, c)
+    names = {p: n for n, p in named}
+    out: dict[str, Tensor] = {}
+    for g in groups:
+        members = [names[p] for p in g.params]
+        norms = torch.stack([grads[n].flatten(1).square().sum(1) for n in members]).sum(0).sqrt()
+        factors = (g.max_norm / (norms + 1e-6)).clamp(max=1.0)
+        out.update({n: torch.einsum("i,i...->...", factors, grads[n]) for n in members})
+    return out
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "per_matrix"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_engine_gives_the_clipped_sum_of_instantiated_gradients(case: str, clipping: str) -> None:
+    model, x, y = _build(case)
+    c = 0.05  # small enough that most examples are clipped
+    reference = _reference(model, x, y, clipping, c)
+    instantiated = _clipped_sum(model, x, y, "instantiate", clipping, c)
+    for name, value in reference.items():
+        torch.testing.assert_close(instantiated[name], value, rtol=1e-5, atol=1e-7, msg=f"instantiate: {name}")
+    for engine in ENGINES:
+        got = _clipped_sum(model, x, y, engine, clipping, c)
+        for name, value in instantiated.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=f"{engine}: {name}")
+
+
+def test_padded_positions_contribute_nothing() -> None:
+    model, ids, y = _build("embedding-padded")
+    grads = {}
+    for engine in ENGINES:
+        hooks = PerExampleHooks(model, list(model.parameters()), engine=engine)
+        F.cross_entropy(model(ids), y, reduction="sum").backward()
+        grads[engine] = hooks.pop()[model[0].weight].instantiate()
+        hooks.close()
+        assert grads[engine][:, 0].abs().max() == 0  # the padding row, as autograd leaves it
+    for engine in ENGINES:
+        torch.testing.assert_close(grads[engine], grads["instantiate"])
+
+
+def _factors(indexed: bool, t: int, a: int = 9, b: int = 5, seed: int = 0) -> Factored:
+    g = torch.Generator().manual_seed(seed)
+    left = torch.randint(0, a, (N, t), generator=g) if indexed else torch.randn(N, t, a, generator=g)
+    return Factored(left, torch.randn(N, t, b, generator=g), a, torch.Size((a, b)))
+
+
+@pytest.mark.parametrize("t", [1, 2, 7])
+@pytest.mark.parametrize("indexed", [False, True])
+def test_ghost_norms_equal_formed_norms(indexed: bool, t: int) -> None:
+    g = _factors(indexed, t, a=40, b=30)  # 2T² < a·b: the ghost norm
+    assert g.ghost_is_cheaper()
+    formed = Dense(g.instantiate()).sq_norms()
+    torch.testing.assert_close(g.sq_norms(), formed, rtol=1e-6, atol=0)
+
+
+def test_ghost_norms_of_mixed_kinds_include_the_cross_terms() -> None:
+    parts = [_factors(True, 3, a=40, b=30, seed=1), _factors(False, 4, a=40, b=30, seed=2)]
+    summed = Summed(parts)
+    formed = Dense(parts[0].instantiate() + parts[1].instantiate()).sq_norms()
+    torch.testing.assert_close(summed.sq_norms(), formed, rtol=1e-6, atol=0)
+
+
+class _Shapes(TorchDispatchMode):
+    """Records the shape of every tensor any operator returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, Tensor):
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("engine", ["book_keeping", "instantiate"])
+def test_book_keeping_allocates_no_per_example_weight_gradient(engine: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 40), nn.Tanh(), nn.Linear(40, 8))
+    x, y = torch.randn(N, 32), torch.arange(N) % 8
+    named = list(model.named_parameters())
+    hooks = PerExampleHooks(model, [p for _, p in named], engine=engine)
+    privatizer = GradientPrivatizer(make_clip_groups("flat", named, 1.0))
+    with _Shapes() as trace:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        privatizer.accumulate(hooks.pop())
+    hooks.close()
+    per_example = {(N, *m.weight.shape) for m in model if isinstance(m, nn.Linear)}
+    formed = per_example & trace.shapes
+    if engine == "book_keeping":  # T = 1: every weight takes the ghost norm
+        assert not formed
+    else:  # the trace does see them when they are formed
+        assert formed == per_example
+
+
+def test_rows_of_one_unit_add_up_before_the_norm() -> None:
+    g = _factors(False, 2, seed=3)
+    units = g.units(3)
+    assert units.rows == N // 3
+    expected = g.instantiate().view(N // 3, 3, *g.shape).sum(1)
+    torch.testing.assert_close(units.instantiate(), expected)
+    torch.testing.assert_close(units.sq_norms(), Dense(expected).sq_norms(), rtol=1e-6, atol=0)
+
+
+def test_per_matrix_groups_every_weight_matrix_and_keeps_the_joint_sensitivity() -> None:
+    model = nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4), nn.Linear(4, 3))
+    groups = make_clip_groups("per_matrix", list(model.named_parameters()), 2.0)
+    assert [g.name for g in groups] == ["0.weight", "2.weight", "non-matrix"]
+    assert len(groups[-1].params) == 4  # two biases and the LayerNorm affine
+    assert math.isclose(math.sqrt(sum(g.max_norm**2 for g in groups)), 2.0)
