@@ -31,25 +31,17 @@ import argparse
 import json
 import logging
 import os
-import platform
-import resource
-import statistics
-import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor
-from itertools import pairwise
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-import lightning
 import lightning.pytorch as pl
 import opacus
 import torch
 import torch.nn.functional as F
+from _harness import StepClock, environment, in_fresh_process, measured, summarise
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -106,25 +98,6 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-class StepClock(pl.Callback):
-    """Records when each training batch starts and its rows; stops training after ``steps`` steps."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-        self.starts: list[float] = []
-        self.rows: list[int] = []
-
-    def tick(self, rows: int) -> bool:
-        """Record a step start; return whether it only closes the last step (time to stop)."""
-        self.starts.append(time.perf_counter())
-        self.rows.append(rows)
-        return len(self.starts) > self.steps
-
-    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.tick(len(batch[0])):
-            trainer.should_stop = True  # this batch still runs, untimed; then fit ends
-
-
 def _clock_loop(loader: Iterable[Any], net: nn.Module, opt: torch.optim.Optimizer, steps: int) -> StepClock:
     """The hand-written loop, timed like the Lightning runs by a :class:`StepClock`."""
     clock = StepClock(steps)
@@ -169,14 +142,6 @@ def _train(runner: str, net: nn.Module, loader: DataLoader, steps: int, planned:
     return _clock_loop(loader, net, opt, steps)
 
 
-def _usage() -> tuple[float, float, float]:
-    """(peak RSS MiB of this process, busy CPU seconds of the whole machine incl. steal, CPU seconds of ours)."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    return own.ru_maxrss / 1024, busy, own.ru_utime + own.ru_stime  # ru_maxrss is in KiB on Linux
-
-
 def measure(runner: str, workload: str, steps: int, warmup: int, threads: int, planned: int) -> dict[str, Any]:
     """Run one runner on one workload in this (fresh) process; return its timed steps and memory."""
     warnings.filterwarnings("ignore")  # Lightning's num_workers hints etc.; they do not change timing
@@ -188,44 +153,13 @@ def measure(runner: str, workload: str, steps: int, warmup: int, threads: int, p
     data = TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, NUM_CLASSES, (n,), generator=g))
     torch.manual_seed(0)
     net = build()
-    (rss0, busy0, own0), wall = _usage(), time.perf_counter()
-    clock = _train(runner, net, DataLoader(data, batch_size=batch, shuffle=True), warmup + steps, planned)
-    (rss1, busy1, own1), wall = _usage(), time.perf_counter() - wall
-    foreign = max(busy1 - busy0 - (own1 - own0), 0.0) / (wall * (os.cpu_count() or 1))
-    return {
-        "step_ms": [1e3 * (b - a) for a, b in pairwise(clock.starts)][warmup:],
-        "mean_batch_rows": statistics.fmean(clock.rows[warmup:-1]),
-        "peak_rss_mib": rss1,
-        "rss_growth_mib": rss1 - rss0,
-        "foreign_cpu_pct": 100 * foreign,
-        "threads": torch.get_num_threads(),
-    }
+    loader = DataLoader(data, batch_size=batch, shuffle=True)
+    return measured(lambda: (_train(runner, net, loader, warmup + steps, planned), warmup))
 
 
 def _measure_quietly(runner: str, workload: str, args: argparse.Namespace) -> dict[str, Any]:
-    """:func:`measure` in a fresh process, retried while other processes took too much CPU."""
-    for attempt in range(1, TRIES + 1):
-        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-            job = pool.submit(measure, runner, workload, args.steps, args.warmup, args.threads, args.planned_steps)
-            run = job.result()
-        run["attempts"] = attempt
-        if run["foreign_cpu_pct"] <= args.max_other_cpu or attempt == TRIES:
-            return run
-        print(f"  [{runner}: other processes used {run['foreign_cpu_pct']:.0f}% CPU, retrying]", file=sys.stderr)
-        time.sleep(RETRY_PAUSE_S)
-    raise AssertionError("unreachable")
-
-
-def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    steps = [t for run in runs for t in run["step_ms"]]
-    return {
-        "median_ms": statistics.median(steps), "mean_ms": statistics.fmean(steps),
-        "stdev_ms": statistics.stdev(steps) if len(steps) > 1 else 0.0,
-        "repeat_median_ms": [statistics.median(run["step_ms"]) for run in runs],
-        "mean_batch_rows": statistics.fmean(run["mean_batch_rows"] for run in runs),
-        **{key: max(run[key] for run in runs) for key in ("peak_rss_mib", "rss_growth_mib", "foreign_cpu_pct")},
-        "runs": runs,
-    }  # fmt: skip
+    job = (runner, workload, args.steps, args.warmup, args.threads, args.planned_steps)
+    return in_fresh_process(measure, job, args.max_other_cpu, runner)
 
 
 def _ratios(results: dict[str, dict[str, Any]], key: str) -> dict[str, float]:
@@ -244,27 +178,6 @@ def _table(workload: str, results: dict[str, dict[str, Any]], args: argparse.Nam
     median, mean = _ratios(results, "median_ms"), _ratios(results, "mean_ms")
     lines += [f"  {name:<24} x{median[name]:.2f} (median)  x{mean[name]:.2f} (mean)" for name in median]
     return "\n".join(lines)
-
-
-def _environment(threads: int) -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
-    return {
-        "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-        "opacus": opacus.__version__, "dplightning": _source(), "platform": platform.platform(),
-        "cpu": models[0] if models else platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
-        "threads": threads, "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
-    }  # fmt: skip
-
-
-def _source() -> dict[str, Any]:
-    """Where dplightning was imported from, its git commit and uncommitted files (the code measured)."""
-    root = Path(dplightning.__file__).resolve().parents[1]
-
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True).stdout.strip()
-
-    return {"path": str(root), "commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain").splitlines()}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -301,11 +214,11 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.repeats):
             for runner in args.runners:
                 runs[runner].append(_measure_quietly(runner, workload, args))
-        results[workload] = {runner: _summarise(r) for runner, r in runs.items()}
+        results[workload] = {runner: summarise(r) for runner, r in runs.items()}
         print(_table(workload, results[workload], args), end="\n\n", flush=True)
     report = {
         "benchmark": "step_overhead", "command": " ".join(["python", *sys.argv]),
-        "environment": _environment(args.threads), "noise_multiplier": NOISE_MULTIPLIER,
+        "environment": environment(args.threads), "noise_multiplier": NOISE_MULTIPLIER,
         "max_grad_norm": MAX_GRAD_NORM, "optimizer": f"SGD(lr={LR})",
         **{key: value for key, value in vars(args).items() if key != "out"}, "results": results,
         "ratios": {w: {"median": _ratios(r, "median_ms"), "mean": _ratios(r, "mean_ms")} for w, r in results.items()},

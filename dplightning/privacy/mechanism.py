@@ -112,7 +112,12 @@ class GradientPrivatizer:
         """The bucket view of ``p``'s slot (after :meth:`release`: its noisy mean)."""
         return self._slots[p].view(self.buckets)
 
-    def accumulate(self, grads: Mapping[nn.Parameter, PerExampleGrad | Tensor], scale: float = 1.0) -> MicroBatchStats:
+    def accumulate(
+        self,
+        grads: Mapping[nn.Parameter, PerExampleGrad | Tensor],
+        scale: float = 1.0,
+        groups: Sequence[int] | None = None,
+    ) -> MicroBatchStats:
         """Clip the per-example gradients of one batch (or micro-batch) and add them to the buckets.
 
         Args:
@@ -120,6 +125,9 @@ class GradientPrivatizer:
                 formed gradients); missing parameters count as zero.
             scale: Factor applied to every per-example gradient before clipping (e.g. the
                 accumulation factor Lightning divided the loss by).
+            groups: Indices of the clip groups ``grads`` covers completely (default: all), so
+                that a group can be clipped as soon as its layer's backward is done. The
+                statistics of the other groups are zero; add them up with :func:`merge_stats`.
         """
         if self._released:
             for b in self.buckets:
@@ -130,8 +138,11 @@ class GradientPrivatizer:
         if len(rows) > 1:
             raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(rows)}.")
         n = rows.pop() if rows else 0
+        selected = list(range(len(self.groups))) if groups is None else list(groups)
         param_sq = self._param_sq_norms(grads, n) * scale**2
-        norms = torch.stack([param_sq[:, idx].sum(dim=1) for idx in self._group_columns], dim=1).sqrt()
+        norms = param_sq.new_zeros(n, len(self.groups))
+        if selected:
+            norms[:, selected] = torch.stack([param_sq[:, self._group_columns[j]].sum(1) for j in selected], 1).sqrt()
         finite = torch.isfinite(norms).all(dim=1)
         nonfinite = int(n - finite.sum().item())
         factors = torch.stack([clip_factors(norms[:, j], g.max_norm) for j, g in enumerate(self.groups)], dim=1)
@@ -139,6 +150,10 @@ class GradientPrivatizer:
         for p, g in grads.items():
             self.slot(p).add_(g.weighted_sum(factors[:, self._group_of[p]]))
         return MicroBatchStats(norms=norms, param_sq_norms=param_sq, nonfinite=nonfinite)
+
+    def group_of(self, p: nn.Parameter) -> int:
+        """Index of ``p``'s clip group."""
+        return self._group_of[p]
 
     def _param_sq_norms(self, grads: Mapping[nn.Parameter, PerExampleGrad], n: int) -> Tensor:
         sq = torch.zeros(n, len(self.params), dtype=torch.float32, device=self.buckets[0].device)
@@ -186,6 +201,18 @@ class GradientPrivatizer:
             for p in self._own_shape:
                 view = self.slot(p)
                 p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
+
+
+def merge_stats(parts: Sequence[MicroBatchStats]) -> MicroBatchStats:
+    """The statistics of one backward pass whose clip groups were accumulated in several parts."""
+    rows = max(p.norms.shape[0] for p in parts)
+    parts = [p for p in parts if p.norms.shape[0] == rows]  # a part without gradients has no rows
+    if len(parts) == 1:
+        return parts[0]
+    norms = torch.stack([p.norms for p in parts]).sum(0)
+    param_sq = torch.stack([p.param_sq_norms for p in parts]).sum(0)
+    nonfinite = int((~torch.isfinite(norms).all(dim=1)).sum().item())
+    return MicroBatchStats(norms=norms, param_sq_norms=param_sq, nonfinite=nonfinite)
 
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)

@@ -225,11 +225,7 @@ class _DPHooks(Strategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         if self.private_step is not None:
-            module = self.lightning_module
-            assert module is not None and self._trainer is not None
-            automatic = module.automatic_optimization
-            # Lightning divides the loss by k under automatic optimization; a manual step's loss is as written.
-            self.private_step.after_backward(self._trainer.accumulate_grad_batches if automatic else 1, automatic)
+            self.private_step.after_backward()
 
     @override
     def optimizer_step(
@@ -386,8 +382,12 @@ class _DPHooks(Strategy):
         self._batches_since_release += 1
         # Empty Poisson batches run training_step too: under dp_ddp every rank must reach the same
         # collectives (self.log(sync_dist=True), all_gather, metric syncs) whatever its local batch.
+        automatic = module.automatic_optimization
+        assert self._trainer is not None
+        # Lightning divides the loss by k under automatic optimization; a manual step's loss is as written.
+        divisor = self._trainer.accumulate_grad_batches if automatic else 1
         try:
-            with step.batch(units, _rows_per_unit(module), module.automatic_optimization):
+            with step.batch(units, _rows_per_unit(module), automatic, divisor):
                 return run()
         except Exception as err:
             if units == 0:

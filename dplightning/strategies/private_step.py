@@ -26,7 +26,13 @@ from torch.optim import Optimizer
 from dplightning.privacy.clipping import ClipGroup, make_clip_groups
 from dplightning.privacy.grad_sample import PerExampleGrad, PerExampleHooks, SlotTransform
 from dplightning.privacy.grad_sample.grads import add
-from dplightning.privacy.mechanism import BucketReducer, GradientPrivatizer, MicroBatchStats, verify_per_example_sum
+from dplightning.privacy.mechanism import (
+    BucketReducer,
+    GradientPrivatizer,
+    MicroBatchStats,
+    merge_stats,
+    verify_per_example_sum,
+)
 from dplightning.privacy.noise import GaussianNoise
 from dplightning.protocols import DPPlan, DPPlanned, DPRelease
 from dplightning.strategies.config import DPConfig
@@ -55,6 +61,12 @@ class PrivateStep:
         self._stats: list[MicroBatchStats] = []
         self._pending: dict[nn.Parameter, list[PerExampleGrad]] = {}
         self._pending_scale = 1.0
+        self._automatic = True
+        self._scale = 1.0
+        self._early = False
+        self._early_stats: list[MicroBatchStats] = []
+        self._early_done: set[int] = set()
+        self._local_groups: dict[nn.Module, list[int]] = {}
         self._suspended: list[nn.Parameter] = []
         self._batch_units: int | None = None
         self._rows_per_unit = 1
@@ -91,6 +103,8 @@ class PrivateStep:
         self.hooks.capturing = False
         slot_shapes = {p: t.slot_shape(p.shape) for p, t in self.transforms.items()}
         self.privatizer = GradientPrivatizer(groups, bucket_cap_mb=self.config.bucket_cap_mb, slot_shapes=slot_shapes)
+        self._local_groups = _layer_local_groups(self.hooks.layers, groups)
+        self.hooks.on_layer_done = self._on_layer_done if self._local_groups else None
         self._signature = _trainable_signature(self.optimizer)
         self._verify_left = VERIFIED_STEPS if self.config.verify_gradients == "first_steps" else 0
 
@@ -128,8 +142,12 @@ class PrivateStep:
         return self.config.verify_gradients == "always" or self._verify_left > 0
 
     @contextmanager
-    def batch(self, units: int | None, rows_per_unit: int, automatic: bool) -> Iterator[None]:
+    def batch(self, units: int | None, rows_per_unit: int, automatic: bool, loss_divisor: int) -> Iterator[None]:
         """Capture one training batch of ``units`` privacy units, ``rows_per_unit`` forward rows each.
+
+        ``automatic``: automatic optimization (each backward pass covers a whole micro-batch);
+        ``loss_divisor``: what the loss is divided by before its backward (Lightning's k under
+        automatic optimization, 1 under manual).
 
         Outside verification, autograd's own weight gradients are turned off for the batch (the
         engines need only the layers' inputs and output gradients): from here to the end of its
@@ -137,6 +155,12 @@ class PrivateStep:
         """
         assert self.hooks is not None
         self._batch_units, self._rows_per_unit = units, rows_per_unit
+        self._automatic = automatic
+        # From the captured gradients of the backpropagated loss to each unit's own gradient.
+        self._scale = float(loss_divisor) * (float(units) if self.config.loss_reduction == "mean" and units else 1.0)
+        # Per-layer groups are clipped as soon as their layer's backward is done (their inputs and
+        # output gradients are then freed), under automatic optimization outside verification.
+        self._early = automatic and not self.verifying
         self.restore_weight_grads()
         if not self.verifying:
             self._suspended = [p for p in self.privatizer.params if p.requires_grad]
@@ -161,18 +185,14 @@ class PrivateStep:
         """Whether backward passes of the current batch await their release (manual optimization)."""
         return bool(self._pending)
 
-    def after_backward(self, loss_divisor: int, automatic: bool) -> None:
+    def after_backward(self) -> None:
         """Take the per-example gradients of one backward pass; drop autograd's raw gradient.
 
-        Args:
-            loss_divisor: What the loss was divided by before its backward (Lightning's k under
-                automatic optimization, 1 under manual).
-            automatic: Automatic optimization: the backward pass covers a whole micro-batch, clip now.
+        Under automatic optimization the pass covers a whole micro-batch and is clipped now; under
+        manual optimization it is summed with the batch's other passes until the release.
         """
-        units = self._batch_units or 0
-        # From the captured gradients of the backpropagated loss to each unit's own gradient.
-        scale = float(loss_divisor) * (units if self.config.loss_reduction == "mean" and units else 1)
         assert self.hooks is not None
+        automatic, scale = self._automatic, self._scale
         if automatic:
             self.restore_weight_grads()
         grads = self.hooks.pop(self._rows_per_unit)
@@ -188,8 +208,19 @@ class PrivateStep:
             for p, g in grads.items():
                 self._pending.setdefault(p, []).append(g)
 
+    def _on_layer_done(self, layer: nn.Module) -> None:
+        if not self._early or layer not in self._local_groups:
+            return
+        assert self.hooks is not None
+        for j in self._local_groups[layer]:
+            grads = self.hooks.take(self.privatizer.groups[j].params, self._rows_per_unit)
+            self._early_stats.append(self.privatizer.accumulate(grads, scale=self._scale, groups=[j]))
+            self._early_done.add(j)
+
     def _clip(self, grads: dict[nn.Parameter, PerExampleGrad], scale: float) -> None:
-        stats = self.privatizer.accumulate(grads, scale=scale)
+        rest = [j for j in range(len(self.groups)) if j not in self._early_done]
+        stats = merge_stats([*self._early_stats, self.privatizer.accumulate(grads, scale=scale, groups=rest)])
+        self._early_stats, self._early_done = [], set()
         units = stats.norms.shape[0]
         if grads and self._batch_units is not None and units != self._batch_units:
             raise RuntimeError(
@@ -269,6 +300,22 @@ def _privatized_parameters(module: nn.Module, optimizer: Optimizer) -> list[tupl
     if left_out:
         rank_zero_warn(f"Trainable parameters not in the optimizer get no gradient under DP: {left_out[:5]}...")
     return [(names[p], p) for p in dict.fromkeys(in_optimizer)]
+
+
+def _layer_local_groups(
+    layers: dict[nn.Module, list[nn.Parameter]], groups: list[ClipGroup]
+) -> dict[nn.Module, list[int]]:
+    """Groups whose parameters all belong to one layer, and to no other: clippable when that layer is done."""
+    owners: dict[nn.Parameter, list[nn.Module]] = {}
+    for layer, params in layers.items():
+        for p in params:
+            owners.setdefault(p, []).append(layer)
+    local: dict[nn.Module, list[int]] = {}
+    for j, group in enumerate(groups):
+        layer_sets = {tuple(owners.get(p, [])) for p in group.params}
+        if len(layer_sets) == 1 and len(only := next(iter(layer_sets))) == 1:
+            local.setdefault(only[0], []).append(j)
+    return local
 
 
 def _trainable_signature(optimizer: Optimizer) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ N, BATCH, WORLD = 64, 8, 2  # per-process batch 8: q = 8 * 2 / 64 = 0.25, expect
 B = BATCH * WORLD
 
 
-@pytest.mark.parametrize("engine", ["auto", "instantiate"])
+@pytest.mark.parametrize("engine", ["instantiate"])  # the union test below runs the other engines on 2 ranks
 def test_ranks_stay_bitwise_identical_and_share_one_epsilon(tmp_path, engine: str) -> None:
     torch.manual_seed(0)
     ranks = run_ddp(TinyModule(lr=0.3), loader(make_dataset(N), BATCH), str(tmp_path), clipping_engine=engine,
@@ -48,13 +48,12 @@ def test_ranks_stay_bitwise_identical_and_share_one_epsilon(tmp_path, engine: st
     ("clipping", "engine", "manual", "precision", "tolerance"),
     [
         ("flat", "auto", False, "32-true", 1e-5),
-        ("flat", "book_keeping", False, "32-true", 1e-5),
         ("flat", "instantiate", False, "32-true", 1e-5),
         ("per_layer", "auto", False, "32-true", 1e-5),
         ("per_matrix", "book_keeping", False, "32-true", 1e-5),
         ("flat", "auto", True, "bf16-mixed", 5e-2),
     ],
-    ids=["flat", "flat-book_keeping", "flat-instantiate", "per_layer", "per_matrix-book_keeping", "manual-bf16"],
+    ids=["flat", "flat-instantiate", "per_layer", "per_matrix-book_keeping", "manual-bf16"],
 )
 def test_zero_noise_step_equals_one_process_on_the_union(
     tmp_path, clipping: str, engine: str, manual: bool, precision: str, tolerance: float

@@ -72,6 +72,22 @@ def _lora() -> nn.Module:
     return model
 
 
+class ViT(nn.Module):
+    """Hugging Face's ViT (its embeddings own the [CLS] token and position embeddings directly)."""
+
+    def __init__(self) -> None:
+        from transformers import ViTConfig, ViTForImageClassification
+
+        super().__init__()
+        config = ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, intermediate_size=32, num_labels=CLASSES, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0)  # fmt: skip
+        self.vit = ViTForImageClassification(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.vit(pixel_values=x).logits
+
+
 def _ids(t: int, vocab: int = 16) -> Tensor:
     ids = torch.randint(1, vocab, (N, t), generator=torch.Generator().manual_seed(t))
     ids[: N // 2, t // 2 :] = 0  # padded positions (padding_idx 0)
@@ -105,6 +121,7 @@ CASES = {
     "tied-embedding-head": lambda: (Tied(), _ids(6)),
     "layer-called-twice": lambda: (Twice(), _x(3, 12)),
     "peft-lora": lambda: (_lora(), _x(4, 5)),
+    "hf-vit": lambda: (ViT(), _x(1, 8, 8)),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from torch.utils.data import DataLoader
 from dplightning.privacy.noise import GaussianNoise
 from examples.dp_plan_optimizer import ProjectedSGD
 from tests.helpers import TinyModule, dp, make_dataset, make_trainer, mlp, params_of
-from tests.reference import per_example_grads
+from tests.reference import clipped_sum, per_example_grads
 
 N = 12
 
@@ -109,3 +110,39 @@ def test_a_bad_rows_per_unit_is_refused() -> None:
     module.dp_rows_per_unit = 0
     with pytest.raises(ValueError, match="dp_rows_per_unit"):
         make_trainer(dp()).fit(module, DataLoader(make_dataset(N), batch_size=N))
+
+
+class _Pending(pl.Callback):
+    """Records which parameters still await clipping when the backward pass has just ended."""
+
+    def __init__(self) -> None:
+        self.waiting: list[int] = []
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.waiting.append(len(trainer.strategy.private_step.hooks._grads))
+
+
+@pytest.mark.parametrize("clipping", ["per_layer", "per_matrix"])
+def test_groups_of_one_layer_are_clipped_when_its_backward_is_done(clipping: str) -> None:
+    torch.manual_seed(0)
+    module = TinyModule()
+    before = params_of(module)
+    pending = _Pending()
+    strategy = dp(max_grad_norm=0.3, clipping=clipping, verify_gradients="never")
+    make_trainer(strategy, accumulate_grad_batches=2, callbacks=[pending]).fit(
+        module, DataLoader(make_dataset(N), batch_size=N)
+    )
+    groups = {
+        "per_layer": [["0.weight", "0.bias"], ["2.weight", "2.bias"]],
+        "per_matrix": [["0.weight"], ["2.weight"], ["0.bias", "2.bias"]],
+    }[clipping]
+    expected_waiting = 0 if clipping == "per_layer" else 2  # the non-matrix group spans both layers
+    assert pending.waiting == [expected_waiting, expected_waiting]
+    net = mlp()
+    net.load_state_dict({k.removeprefix("net."): v for k, v in before.items()})
+    x, y = torch.cat([b[0] for b in module.batches]), torch.cat([b[1] for b in module.batches])
+    expected = clipped_sum(per_example_grads(net, F.cross_entropy, x, y), 0.3, groups)
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(
+            before[name] - p.detach(), expected[name.removeprefix("net.")] / N, rtol=1e-5, atol=1e-7
+        )

@@ -25,7 +25,7 @@ strategy needs:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -92,6 +92,9 @@ class PerExampleHooks:
         self._names = {m: name or "<root>" for name, m in module.named_modules()}
         self._batch_major = batch_major_layers(module)
         self._grads: dict[nn.Parameter, list[PerExampleGrad]] = {}
+        self._outstanding: dict[nn.Module, int] = {}
+        self.on_layer_done: Callable[[nn.Module], None] | None = None
+        """Called when the last captured call of a layer got its gradient (its parameters may be taken)."""
         self._handles: list[RemovableHandle] = []
         self.layers = self._layers(module)
         """The hooked layers, each with its privatized parameters."""
@@ -166,6 +169,7 @@ class PerExampleHooks:
             fold=fold,
         )
         tensors = [outputs[i] for i in slots]
+        self._outstanding[layer] = self._outstanding.get(layer, 0) + 1
         if len(tensors) == 1:
             tensors[0].register_hook(lambda grad: self._on_output_grads(layer, call, [grad]))
         else:
@@ -222,6 +226,13 @@ class PerExampleHooks:
             if p in self.transforms:
                 g = self.transforms[p].apply(g)
             self._grads.setdefault(p, []).append(g)
+        self._outstanding[layer] -= 1
+        if self._outstanding[layer] == 0 and self.on_layer_done is not None:
+            self.on_layer_done(layer)
+
+    def take(self, params: Sequence[nn.Parameter], rows_per_unit: int = 1) -> dict[nn.Parameter, PerExampleGrad]:
+        """The per-example gradients of ``params`` captured so far, per privacy unit; they are forgotten."""
+        return {p: add(self._grads.pop(p)).units(rows_per_unit) for p in params if p in self._grads}
 
     def pop(self, rows_per_unit: int = 1) -> dict[nn.Parameter, PerExampleGrad]:
         """The per-example gradients of everything captured since the last pop, per privacy unit.
@@ -231,6 +242,7 @@ class PerExampleHooks:
         """
         grads = {p: add(parts).units(rows_per_unit) for p, parts in self._grads.items()}
         self._grads.clear()
+        self._outstanding.clear()  # calls whose output got no gradient (cut from the graph) are forgotten
         return grads
 
     def close(self) -> None:

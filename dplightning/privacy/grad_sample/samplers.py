@@ -6,7 +6,8 @@ gradient is:
 
 * ``nn.Embedding`` with ``padding_idx``: autograd leaves the padding row's gradient at
   zero; Opacus' sampler gives it the padding tokens' backprops.
-* Hugging Face's ``Conv1D`` (GPT-2's linear layer): Opacus has no sampler.
+* Hugging Face's ``Conv1D`` (GPT-2's linear layer) and ``ViTEmbeddings`` ([CLS] token and
+  position embeddings, owned by the module itself): Opacus has no sampler.
 * The ``torch.func`` fallback: Opacus' re-runs a layer with its first input only, so a
   layer taking a second input (a key and a value, an attention mask, an int offset)
   fails or is differentiated at the wrong point. Ours replays the whole call.
@@ -109,12 +110,34 @@ def _hf_conv1d(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) ->
     return out
 
 
+def _hf_vit_embeddings(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+    # ViTEmbeddings owns the [CLS] token and the position embeddings directly (its patch projection is
+    # a Conv2d child with its own hook): out = dropout(cat(cls, patches) + position_embeddings).
+    interpolate = call.kwargs.get("interpolate_pos_encoding", call.args[2] if len(call.args) > 2 else False)
+    masked = call.kwargs.get("bool_masked_pos", call.args[1] if len(call.args) > 1 else None)
+    if interpolate or masked is not None or (layer.training and layer.dropout.p > 0):
+        raise RuntimeError(
+            "Per-example gradients of ViTEmbeddings' [CLS] token and position embeddings are taken from the "
+            "gradient of its output, which is exact without interpolate_pos_encoding, bool_masked_pos or "
+            "embedding dropout: set hidden_dropout_prob=0 (the embeddings' dropout) or freeze them."
+        )
+    grad = grads[0]
+    assert grad is not None
+    out: dict[nn.Parameter, Tensor] = {}
+    if layer.cls_token.requires_grad:
+        out[layer.cls_token] = grad[:, :1].unsqueeze(1)
+    if layer.position_embeddings.requires_grad:
+        out[layer.position_embeddings] = grad.unsqueeze(1)
+    return out
+
+
 _OWN: dict[type[nn.Module], GradSampler] = {nn.Embedding: _embedding}
+# Hugging Face layers, matched by name so that the check does not import transformers (seconds) for every model.
+_HF_OWN: dict[str, GradSampler] = {"Conv1D": _hf_conv1d, "ViTEmbeddings": _hf_vit_embeddings}
 
 
-def _is_hf_conv1d(cls: type) -> bool:
-    # Matched by name so that the check does not import transformers (seconds) for every model.
-    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
+def _hf_sampler(cls: type) -> GradSampler | None:
+    return _HF_OWN.get(cls.__name__) if cls.__module__.startswith("transformers") else None
 
 
 def registered_sampler(layer: nn.Module) -> GradSampler | None:
@@ -126,8 +149,8 @@ def registered_sampler(layer: nn.Module) -> GradSampler | None:
             break
         if cls in _OWN:
             return _OWN[cls]
-        if _is_hf_conv1d(cls):
-            return _hf_conv1d
+        if _hf_sampler(cls) is not None:
+            return _hf_sampler(cls)
         if cls in GradSampleHooks.GRAD_SAMPLERS:
             return _opacus(GradSampleHooks.GRAD_SAMPLERS[cls])
     return None

@@ -1,0 +1,133 @@
+"""What the CPU benchmarks share: step clocks, fresh processes per measurement, summaries, provenance.
+
+Timing: a step's time is the gap between two step starts, recorded by ``perf_counter`` once
+the batch is fetched (``Callback.on_train_batch_start`` under Lightning, the loop body's top
+otherwise). Memory: the peak RSS of the measuring process (``ru_maxrss``), each measurement
+in a fresh ``spawn`` process so that allocator state and hooks never leak between runners,
+and its growth over the RSS just before training. Interference: the share of the machine's
+CPU other processes used meanwhile (``/proc/stat``); above a threshold the measurement is
+retried, as one busy core slows threaded steps many-fold.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from itertools import pairwise
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import lightning
+import lightning.pytorch as pl
+import opacus
+import torch
+
+import dplightning
+
+TRIES, RETRY_PAUSE_S = 6, 30.0
+ENV_PREFIXES = ("MALLOC_", "OMP_", "MKL_", "LD_PRELOAD", "PYTHONPATH")  # settings that change the timings
+
+
+class StepClock(pl.Callback):
+    """Records when each training batch starts and its rows; stops training after ``steps`` steps."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.starts: list[float] = []
+        self.rows: list[int] = []
+
+    def tick(self, rows: int) -> bool:
+        """Record a step start; return whether it only closes the last step (time to stop)."""
+        self.starts.append(time.perf_counter())
+        self.rows.append(rows)
+        return len(self.starts) > self.steps
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.tick(len(batch[0])):
+            trainer.should_stop = True  # this batch still runs, untimed; then fit ends
+
+    def step_ms(self, warmup: int) -> list[float]:
+        """Milliseconds per timed step, the first ``warmup`` gaps dropped."""
+        return [1e3 * (b - a) for a, b in pairwise(self.starts)][warmup:]
+
+
+def usage() -> tuple[float, float, float]:
+    """(peak RSS MiB of this process, busy CPU seconds of the whole machine incl. steal, CPU seconds of ours)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_maxrss / 1024, busy, own.ru_utime + own.ru_stime  # ru_maxrss is in KiB on Linux
+
+
+def measured(train: Callable[[], tuple[StepClock, int]]) -> dict[str, Any]:
+    """Run ``train`` (returning its clock and the warm-up gaps to drop) in this process; time and memory."""
+    (rss0, busy0, own0), wall = usage(), time.perf_counter()
+    clock, warmup = train()
+    (rss1, busy1, own1), wall = usage(), time.perf_counter() - wall
+    foreign = max(busy1 - busy0 - (own1 - own0), 0.0) / (wall * (os.cpu_count() or 1))
+    return {
+        "step_ms": clock.step_ms(warmup),
+        "mean_batch_rows": statistics.fmean(clock.rows[warmup:-1]),
+        "peak_rss_mib": rss1,
+        "rss_growth_mib": rss1 - rss0,
+        "foreign_cpu_pct": 100 * foreign,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def in_fresh_process(
+    fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], max_other_cpu: float, label: str
+) -> dict[str, Any]:
+    """``fn(*args)`` in a fresh ``spawn`` process, retried while other processes took too much CPU."""
+    for attempt in range(1, TRIES + 1):
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            run = pool.submit(fn, *args).result()
+        run["attempts"] = attempt
+        if run["foreign_cpu_pct"] <= max_other_cpu or attempt == TRIES:
+            return run
+        print(f"  [{label}: other processes used {run['foreign_cpu_pct']:.0f}% CPU, retrying]", file=sys.stderr)
+        time.sleep(RETRY_PAUSE_S)
+    raise AssertionError("unreachable")
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pooled statistics of several repeats of one runner."""
+    steps = [t for run in runs for t in run["step_ms"]]
+    return {
+        "median_ms": statistics.median(steps), "mean_ms": statistics.fmean(steps),
+        "stdev_ms": statistics.stdev(steps) if len(steps) > 1 else 0.0,
+        "repeat_median_ms": [statistics.median(run["step_ms"]) for run in runs],
+        "mean_batch_rows": statistics.fmean(run["mean_batch_rows"] for run in runs),
+        **{key: max(run[key] for run in runs) for key in ("peak_rss_mib", "rss_growth_mib", "foreign_cpu_pct")},
+        "runs": runs,
+    }  # fmt: skip
+
+
+def environment(threads: int) -> dict[str, Any]:
+    """Versions, CPU, threads and the environment variables that change timings."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
+        "opacus": opacus.__version__, "dplightning": source(), "platform": platform.platform(),
+        "cpu": models[0] if models else platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
+        "threads": threads, "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
+    }  # fmt: skip
+
+
+def source() -> dict[str, Any]:
+    """Where dplightning was imported from, its git commit and uncommitted files (the code measured)."""
+    root = Path(dplightning.__file__).resolve().parents[1]
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True).stdout.strip()
+
+    return {"path": str(root), "commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain").splitlines()}

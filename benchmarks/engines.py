@@ -1,0 +1,279 @@
+"""Step time and peak memory of the clipping engines, side by side with Opacus and non-private training.
+
+Run (the table in ``docs/clipping_engines.md``), or a smoke run::
+
+    .venv/bin/python benchmarks/engines.py --out benchmarks/results/engines_cpu.json
+    .venv/bin/python benchmarks/engines.py --quick --models mlp --out engines_quick.json
+
+Workloads (random data, fixed seeds, the same model and data for every runner):
+
+* ``mlp``: 4 x (Linear(512, 512) + Tanh) and a Linear(512, 10) head, batch 256;
+* ``cnn``: ``SmallCNN(1, 32)`` (two Conv + GroupNorm blocks) on 1x28x28, batch 256;
+* ``gptneo``: a Hugging Face GPT-Neo causal LM from a config (4 layers, width 256, 8 heads,
+  sequence 128, vocabulary 8192, untied head), batch 32, loss = each sequence's mean token loss;
+* ``vit``: a Hugging Face ViT classifier from a config (6 layers, width 256, 8 heads, 32x32
+  images, patch 4), batch 32.
+
+Runners: ``nonprivate`` (Lightning, no DP), ``dp_<engine>`` (dplightning's ``DPStrategy`` with
+each clipping engine) and ``opacus_hooks`` / ``opacus_ghost`` (Opacus' ``make_private`` with
+``grad_sample_mode="hooks"`` / ``"ghost"``, driving a plain loop). All use AdamW(lr=1e-4); the
+DP runners use σ = 1, C = 1, flat clipping and Poisson sampling with q = B / N. Every
+measurement runs in a fresh process; see ``_harness.py`` for how time and memory are taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import opacus
+import torch
+import torch.nn.functional as F
+from _harness import StepClock, environment, in_fresh_process, measured, summarise
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dplightning
+from dplightning.models import SmallCNN
+from dplightning.privacy.grad_sample import available_engines
+
+NUM_CLASSES, VOCAB, SEQ = 10, 8192, 128
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, its inputs and its per-example loss."""
+
+    build: Callable[[], nn.Module]
+    inputs: Callable[[int, torch.Generator], Tensor]
+    batch: int
+    language_model: bool = False
+
+    def data(self, n: int) -> TensorDataset:
+        g = torch.Generator().manual_seed(0)
+        x = self.inputs(n, g)
+        return (
+            TensorDataset(x)
+            if self.language_model
+            else TensorDataset(x, torch.randint(0, NUM_CLASSES, (n,), generator=g))
+        )
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.Tanh())], nn.Linear(512, NUM_CLASSES))
+
+
+class _HF(nn.Module):
+    """A Hugging Face model returning logits (position ids passed explicitly, as Opacus needs them)."""
+
+    def __init__(self, model: nn.Module, language_model: bool) -> None:
+        super().__init__()
+        self.model, self.language_model = model, language_model
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.language_model:
+            positions = torch.arange(x.shape[1], device=x.device).repeat(x.shape[0], 1)  # contiguous, for Opacus
+            return self.model(input_ids=x, position_ids=positions).logits
+        return self.model(pixel_values=x).logits
+
+
+def _gptneo() -> nn.Module:
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    config = GPTNeoConfig(
+        num_layers=4, hidden_size=256, num_heads=8, vocab_size=VOCAB, max_position_embeddings=SEQ,
+        attention_types=[[["global", "local"], 2]], window_size=64, embed_dropout=0.0, attention_dropout=0.0,
+        resid_dropout=0.0, tie_word_embeddings=False,  # Opacus' ghost mode refuses tied embeddings
+    )  # fmt: skip
+    return _HF(GPTNeoForCausalLM(config), language_model=True)
+
+
+def _vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        image_size=32, patch_size=4, num_channels=3, hidden_size=256, num_hidden_layers=6, num_attention_heads=8,
+        intermediate_size=1024, num_labels=NUM_CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return _HF(ViTForImageClassification(config), language_model=False)
+
+
+WORKLOADS = {
+    "mlp": Workload(_mlp, lambda n, g: torch.randn(n, 512, generator=g), 256),
+    "cnn": Workload(lambda: SmallCNN(1, 32, NUM_CLASSES), lambda n, g: torch.randn(n, 1, 28, 28, generator=g), 256),
+    "gptneo": Workload(_gptneo, lambda n, g: torch.randint(0, VOCAB, (n, SEQ), generator=g), 32, language_model=True),
+    "vit": Workload(_vit, lambda n, g: torch.randn(n, 3, 32, 32, generator=g), 32),
+}
+RUNNERS = ["nonprivate", *(f"dp_{e}" for e in available_engines()), "opacus_hooks", "opacus_ghost"]
+
+
+def per_example_loss(logits: Tensor, batch: list[Tensor], language_model: bool) -> Tensor:
+    """Each example's loss: cross-entropy, or a sequence's mean next-token loss."""
+    if language_model:
+        return F.cross_entropy(logits[:, :-1].transpose(1, 2), batch[0][:, 1:], reduction="none").mean(1)
+    return F.cross_entropy(logits, batch[1], reduction="none")
+
+
+class Task(pl.LightningModule):
+    """The workload's model under Lightning; the loss sums per-example losses over max(n, 1)."""
+
+    def __init__(self, net: nn.Module, language_model: bool) -> None:
+        super().__init__()
+        self.net, self.language_model = net, language_model
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        losses = per_example_loss(self.net(batch[0]), batch, self.language_model)
+        return losses.sum() / max(len(losses), 1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def _lightning(runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int) -> StepClock:
+    strategy: Any = "auto"
+    if runner.startswith("dp_"):
+        strategy = dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, clipping_engine=runner[3:])
+    clock = StepClock(steps)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=1000, logger=False, callbacks=[clock],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(Task(net, w.language_model), loader)
+    return clock
+
+
+def _register_vit_sampler_with_opacus() -> None:
+    # Opacus has no sampler for ViTEmbeddings' own parameters; give it dplightning's, so that it runs at all.
+    from opacus.grad_sample import register_grad_sampler
+    from transformers.models.vit.modeling_vit import ViTEmbeddings
+
+    from dplightning.privacy.grad_sample.samplers import LayerCall, registered_sampler
+
+    ours = registered_sampler(ViTEmbeddings.__new__(ViTEmbeddings))
+    assert ours is not None
+    register_grad_sampler(ViTEmbeddings)(
+        lambda layer, acts, backprops: ours(layer, LayerCall(tuple(acts)), [backprops])
+    )
+
+
+def _opacus(runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int) -> StepClock:
+    _register_vit_sampler_with_opacus()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    common = dict(noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=True)
+    engine = opacus.PrivacyEngine(accountant="prv")
+    criterion = None
+    if runner == "opacus_ghost":
+        net, opt, criterion, loader = engine.make_private(
+            module=net, optimizer=opt, data_loader=loader, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",
+            **common,
+        )  # fmt: skip
+    else:
+        net, opt, loader = engine.make_private(module=net, optimizer=opt, data_loader=loader, **common)
+    clock = StepClock(steps)
+    for batch in loader:
+        if clock.tick(len(batch[0])):
+            break
+        opt.zero_grad(set_to_none=True)
+        logits = net(batch[0])
+        if criterion is None:
+            loss = per_example_loss(logits, batch, w.language_model).mean()
+        elif w.language_model:
+            flat = logits[:, :-1].reshape(-1, VOCAB)
+            loss = criterion(flat, batch[0][:, 1:].reshape(-1), shape=(len(logits), SEQ - 1, VOCAB))
+        else:
+            loss = criterion(logits, batch[1])
+        loss.backward()
+        opt.step()
+    return clock
+
+
+def measure(runner: str, workload: str, steps: int, warmup: int, threads: int) -> dict[str, Any]:
+    """One runner on one workload in this (fresh) process: its timed steps and memory."""
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    torch.set_num_threads(threads)
+    w = WORKLOADS[workload]
+    loader = DataLoader(w.data(w.batch * (warmup + steps + 3)), batch_size=w.batch, shuffle=True)
+    torch.manual_seed(0)
+    net = w.build()
+    train = _opacus if runner.startswith("opacus") else _lightning
+    return measured(lambda: (train(runner, net, w, loader, warmup + steps), warmup))
+
+
+RATIOS = [("nonprivate", "time"), ("opacus_hooks", "time"), ("nonprivate", "peak"), ("nonprivate", "growth")]
+
+
+def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    keys = {"time": "median_ms", "peak": "peak_rss_mib", "growth": "rss_growth_mib"}
+    return {
+        runner: {
+            f"{what}/{base}": r[keys[what]] / results[base][keys[what]] for base, what in RATIOS if base in results
+        }
+        for runner, r in results.items()
+    }
+
+
+def _table(workload: str, results: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float]], args: Any) -> str:
+    w = WORKLOADS[workload]
+    head = (
+        f"{workload}: batch {w.batch}, {args.repeats} x {args.steps} timed steps (after {args.warmup} warm-up), "
+        f"{args.threads} threads"
+    )
+    cols = ["median ms", "x non-priv", "x opacus hk", "peak RSS", "x non-priv", "RSS growth", "x non-priv"]
+    lines = [head, f"  {'runner':<22}" + "".join(c.rjust(12) for c in cols)]
+    for runner, r in results.items():
+        q = ratios[runner]
+        cells = [
+            f"{r['median_ms']:.1f}", f"{q.get('time/nonprivate', float('nan')):.2f}",
+            f"{q.get('time/opacus_hooks', float('nan')):.2f}", f"{r['peak_rss_mib']:.0f}",
+            f"{q.get('peak/nonprivate', float('nan')):.2f}", f"{r['rss_growth_mib']:+.0f}",
+            f"{q.get('growth/nonprivate', float('nan')):.2f}",
+        ]  # fmt: skip
+        lines.append(f"  {runner:<22}" + "".join(c.rjust(12) for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--runners", nargs="+", choices=RUNNERS, default=RUNNERS)
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per repeat")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    parser.add_argument("--repeats", type=int, default=2, help="fresh processes per runner, interleaved")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--max-other-cpu", type=float, default=5.0, help="retry a repeat above this %% (100 = never)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat of 3 steps after 1 warm-up")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engines_cpu.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 3, 1, 1
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    for workload in args.models:
+        runs: dict[str, list[dict[str, Any]]] = {r: [] for r in args.runners}
+        for _ in range(args.repeats):
+            for runner in args.runners:
+                job = (runner, workload, args.steps, args.warmup, args.threads)
+                runs[runner].append(in_fresh_process(measure, job, args.max_other_cpu, f"{workload}/{runner}"))
+        results[workload] = {r: summarise(v) for r, v in runs.items()}
+        ratios[workload] = _ratios(results[workload])
+        print(_table(workload, results[workload], ratios[workload], args), end="\n\n", flush=True)
+    report = {
+        "benchmark": "engines", "command": " ".join(["python", *sys.argv]), "environment": environment(args.threads),
+        **{k: v for k, v in vars(args).items() if k != "out"}, "results": results, "ratios": ratios,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
