@@ -137,10 +137,12 @@ class Task(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def _lightning(runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int) -> StepClock:
+def _lightning(runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int, clipping: str) -> StepClock:
     strategy: Any = "auto"
     if runner.startswith("dp_"):
-        strategy = dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, clipping_engine=runner[3:])
+        strategy = dplightning.DPStrategy(
+            noise_multiplier=1.0, max_grad_norm=1.0, clipping_engine=runner[3:], clipping=clipping
+        )
     clock = StepClock(steps)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=1000, logger=False, callbacks=[clock],
@@ -164,7 +166,9 @@ def _register_vit_sampler_with_opacus() -> None:
     )
 
 
-def _opacus(runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int) -> StepClock:
+def _opacus(runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int, clipping: str) -> StepClock:
+    if clipping != "flat":
+        raise ValueError("The Opacus runners are measured with flat clipping only.")
     _register_vit_sampler_with_opacus()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     common = dict(noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=True)
@@ -195,7 +199,9 @@ def _opacus(runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps:
     return clock
 
 
-def measure(runner: str, workload: str, steps: int, warmup: int, threads: int) -> dict[str, Any]:
+def measure(
+    runner: str, workload: str, steps: int, warmup: int, threads: int, clipping: str = "flat"
+) -> dict[str, Any]:
     """One runner on one workload in this (fresh) process: its timed steps and memory."""
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -205,7 +211,7 @@ def measure(runner: str, workload: str, steps: int, warmup: int, threads: int) -
     torch.manual_seed(0)
     net = w.build()
     train = _opacus if runner.startswith("opacus") else _lightning
-    return measured(lambda: (train(runner, net, w, loader, warmup + steps), warmup))
+    return measured(lambda: (train(runner, net, w, loader, warmup + steps, clipping), warmup))
 
 
 RATIOS = [("nonprivate", "time"), ("opacus_hooks", "time"), ("nonprivate", "peak"), ("nonprivate", "growth")]
@@ -250,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per runner, interleaved")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--max-other-cpu", type=float, default=5.0, help="retry a repeat above this %% (100 = never)")
+    parser.add_argument("--clipping", default="flat", help="clipping policy of the dp_* runners (Opacus: flat only)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat of 3 steps after 1 warm-up")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engines_cpu.json"))
     args = parser.parse_args(argv)
@@ -261,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         runs: dict[str, list[dict[str, Any]]] = {r: [] for r in args.runners}
         for _ in range(args.repeats):
             for runner in args.runners:
-                job = (runner, workload, args.steps, args.warmup, args.threads)
+                job = (runner, workload, args.steps, args.warmup, args.threads, args.clipping)
                 runs[runner].append(in_fresh_process(measure, job, args.max_other_cpu, f"{workload}/{runner}"))
         results[workload] = {r: summarise(v) for r, v in runs.items()}
         ratios[workload] = _ratios(results[workload])

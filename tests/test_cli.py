@@ -72,3 +72,18 @@ def test_validate_test_and_predict_subcommands(tmp_path: Path, monkeypatch: pyte
         assert cli.trainer.callback_metrics  # val_acc / test_acc
     predictions = build_cli(["predict", *common, "--return_predictions", "true"]).trainer.predict_loop.predictions
     assert sum(len(p) for p in predictions) == 359
+
+
+@pytest.mark.parametrize("strategy", ["dplightning.DPStrategy", "dplightning.DPDDPStrategy"])
+def test_strategy_help_lists_every_dp_argument_with_its_doc(strategy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import fields
+
+    from dplightning.strategies.config import _DOCS, DPConfig
+
+    with pytest.raises(SystemExit):
+        build_cli(["fit", "--trainer.strategy.help", strategy])
+    printed = " ".join(capsys.readouterr().out.split())  # help text is wrapped
+    names = [f.name for f in fields(DPConfig) if not (f.name == "noise_placement" and strategy.endswith(".DPStrategy"))]
+    for name in names:
+        assert f"--trainer.strategy.{name}" in printed, name
+        assert " ".join(_DOCS[name].split()[:4]) in printed, name

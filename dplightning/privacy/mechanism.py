@@ -82,6 +82,7 @@ class GradientPrivatizer:
         self.sensitivity = joint_sensitivity(self.groups)
         self.params = [p for g in self.groups for p in g.params]
         self._group_of = {p: j for j, g in enumerate(self.groups) for p in g.params}
+        self._column = {p: i for i, p in enumerate(self.params)}
         offsets = [0]
         for g in self.groups:
             offsets.append(offsets[-1] + len(g.params))
@@ -141,26 +142,25 @@ class GradientPrivatizer:
         selected = list(range(len(self.groups))) if groups is None else list(groups)
         param_sq = self._param_sq_norms(grads, n) * scale**2
         norms = param_sq.new_zeros(n, len(self.groups))
-        if selected:
-            norms[:, selected] = torch.stack([param_sq[:, self._group_columns[j]].sum(1) for j in selected], 1).sqrt()
+        for j in selected:
+            norms[:, j] = param_sq[:, self._group_columns[j]].sum(1).sqrt()
         finite = torch.isfinite(norms).all(dim=1)
-        nonfinite = int(n - finite.sum().item())
-        factors = torch.stack([clip_factors(norms[:, j], g.max_norm) for j, g in enumerate(self.groups)], dim=1)
-        factors = factors * finite.unsqueeze(1) * scale
+        # A partial accumulation's count is left to merge_stats: one device sync per backward pass, not per group.
+        nonfinite = int(n - finite.sum().item()) if groups is None else 0
+        factors = {j: clip_factors(norms[:, j], self.groups[j].max_norm) * finite * scale for j in selected}
         for p, g in grads.items():
-            self.slot(p).add_(g.weighted_sum(factors[:, self._group_of[p]]))
+            self.slot(p).add_(g.weighted_sum(factors[self._group_of[p]]))
         return MicroBatchStats(norms=norms, param_sq_norms=param_sq, nonfinite=nonfinite)
+
+    def _param_sq_norms(self, grads: Mapping[nn.Parameter, PerExampleGrad], n: int) -> Tensor:
+        sq = torch.zeros(n, len(self.params), dtype=torch.float32, device=self.buckets[0].device)
+        for p, g in grads.items():
+            sq[:, self._column[p]] = g.sq_norms()
+        return sq
 
     def group_of(self, p: nn.Parameter) -> int:
         """Index of ``p``'s clip group."""
         return self._group_of[p]
-
-    def _param_sq_norms(self, grads: Mapping[nn.Parameter, PerExampleGrad], n: int) -> Tensor:
-        sq = torch.zeros(n, len(self.params), dtype=torch.float32, device=self.buckets[0].device)
-        for j, p in enumerate(self.params):
-            if p in grads:
-                sq[:, j] = grads[p].sq_norms()
-        return sq
 
     def release(
         self,
@@ -207,8 +207,6 @@ def merge_stats(parts: Sequence[MicroBatchStats]) -> MicroBatchStats:
     """The statistics of one backward pass whose clip groups were accumulated in several parts."""
     rows = max(p.norms.shape[0] for p in parts)
     parts = [p for p in parts if p.norms.shape[0] == rows]  # a part without gradients has no rows
-    if len(parts) == 1:
-        return parts[0]
     norms = torch.stack([p.norms for p in parts]).sum(0)
     param_sq = torch.stack([p.param_sq_norms for p in parts]).sum(0)
     nonfinite = int((~torch.isfinite(norms).all(dim=1)).sum().item())

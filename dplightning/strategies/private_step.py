@@ -199,7 +199,7 @@ class PrivateStep:
         if self.verifying:
             self._verify(grads)
         for p in self.module.parameters():
-            if p.requires_grad:
+            if p.grad is not None:
                 p.grad = None  # the raw sum is not private; only the released gradient may reach the optimizer
         if automatic:
             self._clip(grads, scale)
@@ -219,10 +219,11 @@ class PrivateStep:
 
     def _clip(self, grads: dict[nn.Parameter, PerExampleGrad], scale: float) -> None:
         rest = [j for j in range(len(self.groups)) if j not in self._early_done]
+        had_grads = bool(grads) or bool(self._early_stats)
         stats = merge_stats([*self._early_stats, self.privatizer.accumulate(grads, scale=scale, groups=rest)])
         self._early_stats, self._early_done = [], set()
         units = stats.norms.shape[0]
-        if grads and self._batch_units is not None and units != self._batch_units:
+        if had_grads and self._batch_units is not None and units != self._batch_units:
             raise RuntimeError(
                 f"Per-example gradients have {units} rows but the batch has {self._batch_units} examples: is a layer "
                 "fed sequence-first (batch_first=False) input? The privacy unit must be the batch's first dimension."

@@ -112,7 +112,10 @@ CASES = {
         for t in (1, 7, 64)
     },
     "conv1d": lambda: (_seq(nn.Conv1d(2, 4, 3, padding=1, stride=2), Flatten(), nn.Linear(12, CLASSES)), _x(2, 5)),
-    "conv2d": lambda: (_seq(nn.Conv2d(2, 3, 3, dilation=2), nn.Tanh(), Flatten(), nn.Linear(12, CLASSES)), _x(2, 6, 6)),
+    "conv2d": lambda: (
+        _seq(nn.Conv2d(2, 3, 3, dilation=2, padding="valid"), nn.Tanh(), Flatten(), nn.Linear(12, CLASSES)),
+        _x(2, 6, 6),
+    ),
     "embedding-padded": lambda: (_seq(nn.Embedding(16, 8, padding_idx=0), TokenMean(), nn.Linear(8, CLASSES)), _ids(5)),
     "hf-conv1d": lambda: (_seq(Conv1D(12, 16), nn.Tanh(), TokenMean(), Conv1D(CLASSES, 12)), _x(7, 16)),
     "layernorm": lambda: (_seq(nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, CLASSES)), _x(5)),

@@ -114,12 +114,13 @@ def _embedding(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factore
 
 def _conv(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
     x, n = call.args[0], grad.shape[0]
+    padding = (0,) * len(layer.kernel_size) if layer.padding == "valid" else layer.padding
     if isinstance(layer, nn.Conv1d):  # as a 2-d convolution of height 1
         x, grad = x.unsqueeze(-2), grad.unsqueeze(-2)
         kernel, dilation = (1, *layer.kernel_size), (1, *layer.dilation)
-        padding, stride = (0, *layer.padding), (1, *layer.stride)
+        padding, stride = (0, *padding), (1, *layer.stride)
     else:
-        kernel, dilation, padding, stride = layer.kernel_size, layer.dilation, layer.padding, layer.stride
+        kernel, dilation, stride = layer.kernel_size, layer.dilation, layer.stride
     cols = F.unfold(x.to(grad.dtype), kernel, dilation=dilation, padding=padding, stride=stride)  # [n, C k k, P]
     d = grad.reshape(n, grad.shape[1], math.prod(grad.shape[2:])).transpose(1, 2)  # [n, P, out]
     return Factored(d, cols.transpose(1, 2), layer.weight.shape[0], layer.weight.shape), d.sum(1)
