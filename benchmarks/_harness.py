@@ -11,6 +11,7 @@ retried, as one busy core slows threaded steps many-fold.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
@@ -109,6 +110,17 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         **{key: max(run[key] for run in runs) for key in ("peak_rss_mib", "rss_growth_mib", "foreign_cpu_pct")},
         "runs": runs,
     }  # fmt: skip
+
+
+def write_report(path: Path, name: str, threads: int, settings: dict[str, Any], **results: Any) -> None:
+    """Write the JSON record of one benchmark run: the command, the machine, the settings and the results."""
+    report = {
+        "benchmark": name, "command": " ".join(["python", *sys.argv]), "environment": environment(threads),
+        **{k: v for k, v in settings.items() if k != "out"}, **results,
+    }  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def environment(threads: int) -> dict[str, Any]:

@@ -24,9 +24,7 @@ measurement runs in a fresh process; see ``_harness.py`` for how time and memory
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ import lightning.pytorch as pl
 import opacus
 import torch
 import torch.nn.functional as F
-from _harness import StepClock, environment, in_fresh_process, measured, summarise
+from _harness import StepClock, in_fresh_process, measured, summarise, write_report
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -273,13 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         results[workload] = {r: summarise(v) for r, v in runs.items()}
         ratios[workload] = _ratios(results[workload])
         print(_table(workload, results[workload], ratios[workload], args), end="\n\n", flush=True)
-    report = {
-        "benchmark": "engines", "command": " ".join(["python", *sys.argv]), "environment": environment(args.threads),
-        **{k: v for k, v in vars(args).items() if k != "out"}, "results": results, "ratios": ratios,
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, "engines", args.threads, vars(args), results=results, ratios=ratios)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,8 @@ the machine's CPU that other processes used meanwhile (``/proc/stat``); above
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import sys
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,7 +39,7 @@ import lightning.pytorch as pl
 import opacus
 import torch
 import torch.nn.functional as F
-from _harness import StepClock, environment, in_fresh_process, measured, summarise
+from _harness import StepClock, in_fresh_process, measured, summarise, write_report
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -216,16 +214,9 @@ def main(argv: list[str] | None = None) -> None:
                 runs[runner].append(_measure_quietly(runner, workload, args))
         results[workload] = {runner: summarise(r) for runner, r in runs.items()}
         print(_table(workload, results[workload], args), end="\n\n", flush=True)
-    report = {
-        "benchmark": "step_overhead", "command": " ".join(["python", *sys.argv]),
-        "environment": environment(args.threads), "noise_multiplier": NOISE_MULTIPLIER,
-        "max_grad_norm": MAX_GRAD_NORM, "optimizer": f"SGD(lr={LR})",
-        **{key: value for key, value in vars(args).items() if key != "out"}, "results": results,
-        "ratios": {w: {"median": _ratios(r, "median_ms"), "mean": _ratios(r, "mean_ms")} for w, r in results.items()},
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    ratios = {w: {"median": _ratios(r, "median_ms"), "mean": _ratios(r, "mean_ms")} for w, r in results.items()}
+    settings = {"noise_multiplier": NOISE_MULTIPLIER, "max_grad_norm": MAX_GRAD_NORM, "optimizer": f"SGD(lr={LR})"}
+    write_report(args.out, "step_overhead", args.threads, {**settings, **vars(args)}, results=results, ratios=ratios)
 
 
 if __name__ == "__main__":
