@@ -96,7 +96,7 @@ class Dense(PerExampleGrad):
         return self.value
 
     def units(self, k: int) -> Dense:
-        return Dense(self.value.view(self.rows // k, k, *self.shape).sum(1)) if k > 1 else self
+        return Dense(self.value.reshape(self.rows // k, k, *self.shape).sum(1)) if k > 1 else self
 
 
 @dataclass
@@ -143,17 +143,20 @@ class Factored(PerExampleGrad):
         return _instantiated_sq_norms(self)
 
     def weighted_sum(self, weights: Tensor) -> Tensor:
+        w = weights.float().view(-1, 1, 1)
+        left, right = self.left, _fp32(self.right)
+        scale_left = not self.indexed and left.shape[2] < right.shape[2]  # reweight the smaller factor
+        left = _fp32(left) * w if scale_left else (left if self.indexed else _fp32(left))
+        right = right if scale_left else right * w
         keep = weights != 0
-        right = _fp32(self.right) * weights.float().view(-1, 1, 1)
         if not bool(keep.all()):  # 0 * inf would be nan: drop those rows outright
             right = torch.where(keep.view(-1, 1, 1), right, torch.zeros_like(right))
+            if not self.indexed:
+                left = torch.where(keep.view(-1, 1, 1), left, torch.zeros_like(left))
         flat_right = right.flatten(0, 1)
         if self.indexed:
             out = flat_right.new_zeros(self.width, flat_right.shape[1])
             return out.index_add_(0, self.left.flatten(), flat_right).view(self.shape)
-        left = _fp32(self.left)
-        if not bool(keep.all()):
-            left = torch.where(keep.view(-1, 1, 1), left, torch.zeros_like(left))
         return (left.flatten(0, 1).transpose(0, 1) @ flat_right).view(self.shape)
 
     def instantiate(self) -> Tensor:

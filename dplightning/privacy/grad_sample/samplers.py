@@ -131,9 +131,47 @@ def _hf_vit_embeddings(layer: nn.Module, call: LayerCall, grads: list[Tensor | N
     return out
 
 
+def _call_arg(call: LayerCall, index: int, names: tuple[str, ...], default: Any = None) -> Any:
+    """Argument ``index`` of the call, passed positionally or under one of ``names`` (renamed across versions)."""
+    for name in names:
+        if name in call.kwargs:
+            return call.kwargs[name]
+    return call.args[index] if len(call.args) > index else default
+
+
+def _hf_opt_positions(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+    # OPT's learned positions take the attention mask, not ids (Opacus fails on them): the ids
+    # are recomputed exactly as OPTLearnedPositionalEmbedding.forward does, then looked up per example.
+    mask = _call_arg(call, 0, ("attention_mask",))
+    cache = int(_call_arg(call, 1, ("cache_length", "past_key_values_length"), 0) or 0)
+    positions = _call_arg(call, 2, ("position_ids",))
+    if positions is None:
+        positions = ((torch.cumsum(mask, dim=1) * mask - 1).long())[:, cache:]
+    if positions.shape[0] != call.rows:
+        positions = positions.expand(call.rows, *positions.shape[1:])
+    opacus_embedding = GradSampleHooks.GRAD_SAMPLERS[nn.Embedding]
+    return opacus_embedding(layer, [positions + layer.offset], grads[0])
+
+
+def _hf_rms_norm(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+    # y = w * (x / rms(x)), normalised in fp32 and cast back, as LlamaRMSNorm (and its copies) compute it.
+    x, grad = call.args[0], grads[0]
+    assert grad is not None
+    h = x.float()
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon)).to(x.dtype)
+    per_token = (grad * normed).float()
+    return {layer.weight: per_token.reshape(per_token.shape[0], -1, per_token.shape[-1]).sum(1)}
+
+
 _OWN: dict[type[nn.Module], GradSampler] = {nn.Embedding: _embedding}
-# Hugging Face layers, matched by name so that the check does not import transformers (seconds) for every model.
-_HF_OWN: dict[str, GradSampler] = {"Conv1D": _hf_conv1d, "ViTEmbeddings": _hf_vit_embeddings}
+# Hugging Face layers, matched by name so that the check does not import transformers (seconds) for every
+# model. The RMSNorm classes listed share LlamaRMSNorm's forward line for line (Gemma's and OLMo-2's do not).
+_HF_OWN: dict[str, GradSampler] = {
+    "Conv1D": _hf_conv1d,
+    "ViTEmbeddings": _hf_vit_embeddings,
+    "OPTLearnedPositionalEmbedding": _hf_opt_positions,
+    **{f"{name}RMSNorm": _hf_rms_norm for name in ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Phi3")},
+}
 
 
 def _hf_sampler(cls: type) -> GradSampler | None:

@@ -37,11 +37,6 @@ def own_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters(recurse=False) if id(p) not in children]
 
 
-def owns_trainable(module: nn.Module) -> bool:
-    """Whether ``module`` has trainable parameters of its own (see :func:`own_parameters`)."""
-    return any(p.requires_grad for p in own_parameters(module))
-
-
 def handled_per_layer(module: nn.Module) -> bool:
     """Whether a registered sampler or an engine's factorisation covers ``module``'s own parameters."""
     from dplightning.privacy.grad_sample.engines import factored_kind
@@ -66,6 +61,7 @@ def check_model(module: nn.Module, params: Collection[nn.Parameter], functorch_f
             "does it) and set track_running_stats=False on InstanceNorm."
         )
     check_embeddings(module)
+    check_no_gradient_checkpointing(module)
     if any(p in params for p in own_parameters(module)):
         raise ValueError(
             f"{type(module).__name__} owns trainable parameters directly; per-example gradients are "
@@ -85,6 +81,26 @@ def check_model(module: nn.Module, params: Collection[nn.Parameter], functorch_f
             "opacus.layers.DPMultiheadAttention), register a sampler with "
             "opacus.grad_sample.register_grad_sampler, freeze them, or pass grad_sample_mode='functorch' "
             "to differentiate them per example with torch.func."
+        )
+
+
+def check_no_gradient_checkpointing(module: nn.Module) -> None:
+    """Refuse activation (gradient) checkpointing, Hugging Face's or any module's flag for it.
+
+    Per-example gradients are formed from each layer's input activation and output
+    gradient, captured when the training step runs the forward. Reentrant checkpointing
+    runs that forward without autograd and recomputes it inside the backward pass, where
+    nothing is captured; non-reentrant checkpointing would work only by keeping every
+    layer's input alive, which is exactly the memory it was meant to save.
+    """
+    on = [name or "<root>" for name, m in module.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if on or getattr(module, "is_gradient_checkpointing", False) is True:
+        raise NotImplementedError(
+            f"Gradient checkpointing is on ({', '.join(on[:3]) or 'model'}): per-example gradients need each "
+            "layer's input activation from the training forward, which checkpointing discards and recomputes "
+            "inside the backward pass, where the per-example hooks cannot capture it (and keeping them would "
+            "undo its memory saving). Call model.gradient_checkpointing_disable(); fit memory with a smaller "
+            "physical batch and accumulate_grad_batches (exact under DP), LoRA, or book_keeping clipping."
         )
 
 
