@@ -1,6 +1,16 @@
-"""Data: Poisson sampling for train loaders and the embedded digits DataModule."""
+"""Data: Poisson sampling for train loaders, the embedded digits DataModule and text DataModules."""
 
 from dplightning.data.digits import DigitsDataModule
 from dplightning.data.poisson import EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader
+from dplightning.data.text import E2EDataModule, SST2DataModule, TextDataModule, TextFileDataModule
 
-__all__ = ["DigitsDataModule", "EmptySafeCollate", "PoissonBatchSampler", "PoissonDataLoader"]
+__all__ = [
+    "DigitsDataModule",
+    "E2EDataModule",
+    "EmptySafeCollate",
+    "PoissonBatchSampler",
+    "PoissonDataLoader",
+    "SST2DataModule",
+    "TextDataModule",
+    "TextFileDataModule",
+]
