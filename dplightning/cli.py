@@ -3,11 +3,14 @@
 dplightning fit --config configs/quickstart.yaml
 dplightning fit --config configs/quickstart.yaml --trainer.strategy.init_args.target_epsilon 1
 dplightning fit --trainer.strategy.help dplightning.DPStrategy    # the DP arguments
+dplightning export --ckpt run.ckpt --out exported/                 # Hugging Face folders with (ε, δ)
+dplightning memory-plan --config configs/finetune/opt-6.7b_lora.yaml --gpu-memory 80GB
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -51,7 +54,19 @@ def build_cli(args: list[str] | None = None) -> DPLightningCLI:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``dplightning`` console script (and ``python -m dplightning.cli``)."""
+    """Entry point of the ``dplightning`` console script (and ``python -m dplightning.cli``).
+
+    ``export`` and ``memory-plan`` are commands of their own; everything else is LightningCLI's.
+    """
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "export":
+        from dplightning.export import main as export_main
+
+        sys.exit(export_main(argv[1:]))
+    if argv and argv[0] == "memory-plan":
+        from dplightning.planning.memory import main as plan_main
+
+        sys.exit(plan_main(argv[1:]))
     build_cli(args)
 
 

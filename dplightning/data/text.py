@@ -348,9 +348,11 @@ class TextFileDataModule(TextDataModule):
         raise ValueError(f"{path}: expected a 'text' column or 'prompt' and 'completion' columns.")
 
     def read(self, split: Literal["train", "val", "test"]) -> list[Example]:
-        if self.files[split] is not None:
+        if split != "train" and self.files[split] is not None:
             return self._examples(os.fspath(self.files[split]))
         examples = self._examples(self.files["train"])
+        if self.files["val"] is not None:
+            return examples
         order = list(range(len(examples)))
         random.Random(self.split_seed).shuffle(order)
         held = set(order[: max(1, len(examples) // 20)])

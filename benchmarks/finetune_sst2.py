@@ -1,0 +1,97 @@
+"""SST-2 dev accuracy of the pretrained MiniLM: DP (ε = 8) and non-private, full fine-tuning and LoRA.
+
+Every arm runs ``configs/finetune/sst2_minilm.yaml`` through the CLI (the LoRA arms add
+``configs/finetune/lora_encoder.yaml``) with the same steps and expected batch size, on
+the whole SST-2 training split (N = 67,349: σ is calibrated for the steps actually run),
+then evaluates on the 872 dev sentences. Needs the optional ``pretrained`` extra and the
+data folder (default ``../shared/data/sst2``).
+
+python benchmarks/finetune_sst2.py --steps 40 --batch-size 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from _harness import environment
+
+from dplightning.cli import build_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "finetune" / "sst2_minilm.yaml"
+LORA = ROOT / "configs" / "finetune" / "lora_encoder.yaml"
+ARMS = {
+    # name: (private, lora, learning rate); no tuning beyond these (one run each)
+    "dp_full": (True, False, 5e-4),
+    "dp_lora": (True, True, 5e-3),
+    "nonprivate_full": (False, False, 1e-4),
+    "nonprivate_lora": (False, True, 1e-3),
+}
+
+
+def run_arm(name: str, steps: int, batch_size: int, data: str, seed: int) -> dict:
+    private, lora, lr = ARMS[name]
+    args = ["fit", "--config", str(CONFIG), *(["--config", str(LORA)] if lora else [])]
+    args += [
+        f"--seed_everything={seed}",
+        f"--trainer.max_steps={steps}",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir=lightning_logs/bench_sst2_{name}",
+        f"--data.init_args.path={data}",
+        f"--data.init_args.batch_size={batch_size}",
+        f"--model.init_args.optimizer.init_args.lr={lr}",
+    ]
+    if not private:
+        args.append("--trainer.strategy=auto")
+    start = time.perf_counter()
+    cli = build_cli(args)
+    fit_s = time.perf_counter() - start
+    metrics = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
+    strategy = cli.trainer.strategy
+    eps = strategy.get_epsilon() if private else float("inf")
+    return {
+        "arm": name,
+        "val_acc": float(metrics["val_acc"]),
+        "epsilon": eps,
+        "delta": getattr(strategy, "delta", None),
+        "noise_multiplier": getattr(strategy, "noise_multiplier", None),
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "trainable_params": cli.model.trainable_parameters(),
+        "fit_seconds": round(fit_s, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "sst2"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "finetune_sst2_cpu.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() else {"command": " ".join(["python", *sys.argv]), "environment": environment(args.threads), "runs": []}
+    for name in args.arms:
+        row = run_arm(name, args.steps, args.batch_size, args.data, args.seed)
+        results["runs"] = [r for r in results["runs"] if r["arm"] != name] + [row]
+        out.write_text(json.dumps(results, indent=2) + "\n")  # after every arm: nothing lost if stopped
+        print(json.dumps(row))
+    print(f"{'arm':<18}{'dev acc':>9}{'ε':>8}{'trained':>12}{'fit s':>8}")
+    for r in results["runs"]:
+        print(f"{r['arm']:<18}{r['val_acc']:>9.4f}{r['epsilon']:>8.3g}{r['trainable_params']:>12,}{r['fit_seconds']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""``dplightning export``: a trained checkpoint as Hugging Face folders carrying the run's (ε, δ).
+
+dplightning export --ckpt lightning_logs/version_0/checkpoints/last.ckpt --out exported/
+
+writes, for a LoRA run, ``adapter/`` (a peft adapter folder) and ``merged/`` (the base
+model with the adapters merged in), and for full fine-tuning ``model/``; each folder has
+the tokenizer, ``privacy.json`` and a model card (``README.md``) stating the guarantee.
+The guarantee is recomputed from the checkpoint's privacy ledger, never copied from logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dplightning.modules._hf_module import CLASS_KEY, CONFIG_KEY, HFModule
+from dplightning.privacy.accounting import compute_epsilon
+from dplightning.strategies._dp import CHECKPOINT_KEY
+
+
+def privacy_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The (ε, δ) guarantee and mechanism of a checkpoint, from its privacy ledger.
+
+    Raises:
+        ValueError: If the checkpoint has no privacy ledger (it was not trained with DP).
+    """
+    state = checkpoint.get(CHECKPOINT_KEY)
+    if not state:
+        raise ValueError(
+            "The checkpoint has no privacy ledger: it was not trained by a dplightning DP strategy, so there is no "
+            "guarantee to export. Train with strategy dp / dp_ddp."
+        )
+    ledger, delta = state["ledger"], float(state["delta"])
+    steps = sum(int(t) for _, _, t in ledger["history"])
+    poisson = state.get("poisson_sampling", True)
+    epsilon = compute_epsilon(ledger["history"], delta, ledger["accountant"]) if poisson and steps else math.inf
+    if not poisson:
+        epsilon = math.inf
+    return {
+        "epsilon": epsilon,
+        "delta": delta,
+        "accountant": ledger["accountant"],
+        "steps": steps,
+        "noise_multiplier": state.get("noise_multiplier"),
+        "sample_rate": state.get("sample_rate"),
+        "num_samples": state.get("num_samples"),
+        "max_grad_norm": state.get("max_grad_norm"),
+        "clipping": state.get("clipping"),
+        "poisson_sampling": poisson,
+        "privacy_unit": "one training example (one row of the training split)",
+    }
+
+
+def load_module(checkpoint: dict[str, Any]) -> HFModule:
+    """Rebuild the Hugging Face module of ``checkpoint`` from its saved config (no hub, no base download)."""
+    if CLASS_KEY not in checkpoint or CONFIG_KEY not in checkpoint:
+        raise ValueError("Not a checkpoint of a dplightning Hugging Face module (DPCausalLM, DPSequenceClassifier).")
+    module_name, _, cls_name = checkpoint[CLASS_KEY].rpartition(".")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    accepted = inspect.signature(cls.__init__).parameters
+    # Lightning saves the arguments of every __init__ in the class chain; keep those the class takes.
+    hparams = {k: v for k, v in checkpoint.get("hyper_parameters", {}).items() if k in accepted}
+    hparams.update(pretrained=None, config=checkpoint[CONFIG_KEY], model_kwargs=None)
+    module = cls(**hparams)
+    module.load_state_dict(checkpoint["state_dict"])
+    module.on_load_checkpoint(checkpoint)
+    return module
+
+
+def _card(privacy: dict[str, Any], kind: str, base: str | None) -> str:
+    eps = "∞ (no Poisson sampling: no amplification, no finite guarantee)" if math.isinf(privacy["epsilon"]) else (
+        f"{privacy['epsilon']:.4g}"
+    )
+    return "\n".join(
+        [
+            "---",
+            "tags: [differential-privacy, dplightning]",
+            "---",
+            f"# {kind} trained with differential privacy (dplightning)",
+            "",
+            f"- Guarantee: (ε = {eps}, δ = {privacy['delta']:.3g}), {privacy['accountant']} accountant, "
+            f"{privacy['steps']} steps of DP-SGD with Poisson sampling at q = {privacy['sample_rate']}, "
+            f"noise multiplier σ = {privacy['noise_multiplier']}, clipping bound C = {privacy['max_grad_norm']} "
+            f"({privacy['clipping']} clipping), over N = {privacy['num_samples']} examples.",
+            f"- Privacy unit: {privacy['privacy_unit']}.",
+            "- Not covered: the pretrained base weights and anything trained or chosen on the private data outside "
+            "the DP steps (a tokenizer fit to the private training split, hyperparameter search, metrics logged "
+            "under `nonprivate/`).",
+            *([f"- Base model: {base}"] if base else []),
+            "",
+        ]
+    )
+
+
+def _write(model: Any, tokenizer: Any, folder: Path, privacy: dict[str, Any], kind: str, base: str | None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    (folder / "privacy.json").write_text(json.dumps(privacy, indent=2, default=str) + "\n", encoding="utf-8")
+    (folder / "README.md").write_text(_card(privacy, kind, base), encoding="utf-8")
+
+
+def export(ckpt: str | Path, out: str | Path, merged: bool = True) -> list[Path]:
+    """Export ``ckpt`` to Hugging Face folders under ``out``; returns the folders written."""
+    checkpoint = torch.load(str(ckpt), map_location="cpu", weights_only=False)  # our own checkpoint format
+    privacy = privacy_of(checkpoint)
+    module = load_module(checkpoint)
+    base = checkpoint.get("hyper_parameters", {}).get("pretrained")
+    out = Path(out)
+    written: list[Path] = []
+    if module.lora is not None:
+        _write(module.model, module.tokenizer, out / "adapter", privacy, "LoRA adapter", base)
+        written.append(out / "adapter")
+        if merged:
+            _write(module.model.merge_and_unload(), module.tokenizer, out / "merged", privacy, "Model", base)
+            written.append(out / "merged")
+    else:
+        _write(module.model, module.tokenizer, out / "model", privacy, "Model", base)
+        written.append(out / "model")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``dplightning export``."""
+    parser = argparse.ArgumentParser(prog="dplightning export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ckpt", required=True, help="Checkpoint of a DPCausalLM or DPSequenceClassifier run.")
+    parser.add_argument("--out", required=True, help="Folder to write the Hugging Face folders into.")
+    parser.add_argument("--no-merged", action="store_true", help="With LoRA, write only the adapter folder.")
+    args = parser.parse_args(argv)
+    for folder in export(args.ckpt, args.out, merged=not args.no_merged):
+        privacy = json.loads((folder / "privacy.json").read_text(encoding="utf-8"))
+        print(f"{folder}: ε = {privacy['epsilon']:.4g}, δ = {privacy['delta']:.3g}")
+    return 0
