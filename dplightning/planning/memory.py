@@ -60,11 +60,11 @@ def parse_memory(text: str) -> float:
     """Bytes in ``"80GB"``, ``"80GiB"``, ``"24G"``, ``"512MiB"`` or a bare number of GB.
 
     Raises:
-        ValueError: For an unknown unit or a non-positive amount.
+        ValueError: For an unknown unit or a negative amount.
     """
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+    if match is None or unit not in _UNITS:
         raise ValueError(f"Cannot read {text!r} as an amount of memory (e.g. 80GB, 80GiB, 24G, 512MiB).")
     return float(match.group(1)) * _UNITS[unit]
 
@@ -379,10 +379,19 @@ class Dims:
     p_embed: float
     attention: str
     causal_lm: bool
+    gpu: bool = True
+
+    def mask_bytes(self, compute: int) -> int:
+        """Bytes per element of a dropout mask: bool on CUDA (fused kernel), the input's dtype on CPU."""
+        return 1 if self.gpu else compute
 
 
-def dims_of(config: Any, causal_lm: bool) -> Dims:
-    """:class:`Dims` of a ``transformers`` config (GPT-2, OPT, BERT/RoBERTa, Llama-style)."""
+def dims_of(config: Any, causal_lm: bool, gpu: bool = True) -> Dims:
+    """:class:`Dims` of a ``transformers`` config (GPT-2, OPT, BERT/RoBERTa, Llama-style).
+
+    ``sdpa`` with attention dropout runs PyTorch's math kernel on CPU (T×T probabilities kept),
+    a fused kernel on CUDA; it is planned as ``eager`` there.
+    """
     mt = config.model_type
     hidden = int(config.hidden_size)
     ffn = getattr(config, "ffn_dim", None) or getattr(config, "intermediate_size", None)
@@ -406,13 +415,21 @@ def dims_of(config: Any, causal_lm: bool) -> Dims:
         heads=int(config.num_attention_heads),
         layers=int(config.num_hidden_layers),
         vocab=int(config.vocab_size) if causal_lm else 0,
-        activation="relu" if act == "relu" else ("glu" if arch == "llama" else "gelu"),
+        activation="relu"
+        if act == "relu"
+        else ("glu" if arch == "llama" else ("gelu_new" if act == "gelu_new" else "gelu")),
         p_hidden=float(p_hidden or 0.0),
         p_attn=float(p_attn or 0.0),
         p_embed=float(getattr(config, "embd_pdrop", 0.0) or 0.0),
-        attention=str(getattr(config, "_attn_implementation", None) or "sdpa"),
+        attention=_attention(config, float(p_attn or 0.0), gpu),
         causal_lm=causal_lm,
+        gpu=gpu,
     )
+
+
+def _attention(config: Any, p_attn: float, gpu: bool) -> str:
+    name = str(getattr(config, "_attn_implementation", None) or "sdpa")
+    return "eager" if name == "eager" or (name == "sdpa" and p_attn > 0 and not gpu) else name
 
 
 @dataclass(frozen=True)
@@ -490,7 +507,7 @@ def layer_tensors(d: Dims, prec: Precision, tokens: int) -> list[Saved]:
     output and the log-sum-exp, no T×T probabilities.
     """
     c, r, h, f = prec.compute, prec.residual, d.hidden, d.ffn
-    scores = d.heads * tokens
+    scores, mask = d.heads * tokens, d.mask_bytes(prec.compute)
     out = [
         Saved("norm 1 input", h, r, True),
         Saved("norm 1 output", h, r, False, ("attn_in",)),
@@ -499,7 +516,10 @@ def layer_tensors(d: Dims, prec: Precision, tokens: int) -> list[Saved]:
     if d.attention == "eager":
         out.append(Saved("softmax output", scores, 4 if prec.mixed or d.arch == "opt" else c, True))
         if d.p_attn > 0:
-            out += [Saved("attention dropout mask", scores, 1, True), Saved("attention dropout output", scores, c, True)]
+            out += [
+                Saved("attention dropout mask", scores, mask, True),
+                Saved("attention dropout output", scores, c, True),
+            ]
         elif prec.mixed or (d.arch == "opt" and c != 4):
             out.append(Saved("probabilities (compute dtype)", scores, c, True))
     else:
@@ -511,10 +531,12 @@ def layer_tensors(d: Dims, prec: Precision, tokens: int) -> list[Saved]:
         out.append(Saved("silu(gate) · up", f, c, False, ("mlp_out",)))
     elif d.activation == "relu":
         out.append(Saved("relu output", f, c, True, ("mlp_out",)))
+    elif d.activation == "gelu_new":  # Hugging Face's tanh GELU in Python: x, tanh, 1 + tanh, x / 2
+        out += [Saved("tanh-GELU intermediates", 4 * f, c, True), Saved("GELU output", f, c, False, ("mlp_out",))]
     else:
         out += [Saved("fc1 output (GELU input)", f, c, True), Saved("GELU output", f, c, False, ("mlp_out",))]
     if d.p_hidden > 0:
-        out.append(Saved("dropout masks (attention, MLP)", 2 * h, 1, True))
+        out.append(Saved("dropout masks (attention, MLP)", 2 * h, mask, True))
     return out
 
 
@@ -532,7 +554,7 @@ def activation_bytes(d: Dims, prec: Precision, roles: set[str], rows: int, token
         held += is_held * t.width * t.nbytes
     alive, held = alive * d.layers, held * d.layers
     final = d.hidden * prec.residual  # the final norm's input (saved), and its output if the head is trained
-    alive += final + (final if head else 0) + (d.hidden if d.p_embed > 0 else 0)
+    alive += final + (final if head else 0) + (d.hidden * d.mask_bytes(prec.compute) if d.p_embed > 0 else 0)
     held += final if head else 0
     return alive * rows * tokens, held * rows * tokens
 
@@ -672,7 +694,9 @@ def _forward(s: Settings, d: Dims, matmul: int, rows: int, alive: int) -> list[C
     t = s.max_length
     out = [Component("activations", alive, "forward", f"per layer, attention {d.attention}")]
     if s.precision.mixed:
-        out.append(Component("autocast weight copies", matmul * s.precision.compute, "forward", "16-bit matmul weights"))
+        out.append(
+            Component("autocast weight copies", matmul * s.precision.compute, "forward", "16-bit matmul weights")
+        )
     if d.vocab:
         out.append(Component("logits and loss (fp32)", 12 * rows * t * d.vocab, "forward", "log-softmax + 2 grads"))
     return out
@@ -726,7 +750,8 @@ def survey(config: Mapping[str, Any]) -> Survey:
     s = settings_of(config)
     model, source = meta_model(s)
     causal = s.model_class.rsplit(".", 1)[-1] != "DPSequenceClassifier"
-    d = dims_of(model.config if not hasattr(model, "get_base_model") else model.get_base_model().config, causal)
+    config_ = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    d = dims_of(config_, causal, s.gpu)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return Survey(
         settings=s,
@@ -869,6 +894,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         capacity = parse_memory(args.gpu_memory)
+        if capacity <= 0:
+            raise ValueError("--gpu-memory must be positive.")
         reserve = 2**30 + 0.05 * capacity if args.reserve == "auto" else parse_memory(args.reserve)
         sv = survey(load_configs(args.config))
     except (ValueError, OSError) as error:
