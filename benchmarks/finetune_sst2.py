@@ -82,7 +82,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
-    results = json.loads(out.read_text()) if out.exists() else {"command": " ".join(["python", *sys.argv]), "environment": environment(args.threads), "runs": []}
+    fresh = {"command": " ".join(["python", *sys.argv]), "environment": environment(args.threads), "runs": []}
+    results = json.loads(out.read_text()) if out.exists() else fresh
     for name in args.arms:
         row = run_arm(name, args.steps, args.batch_size, args.data, args.seed)
         results["runs"] = [r for r in results["runs"] if r["arm"] != name] + [row]
@@ -90,7 +91,9 @@ def main() -> None:
         print(json.dumps(row))
     print(f"{'arm':<18}{'dev acc':>9}{'ε':>8}{'trained':>12}{'fit s':>8}")
     for r in results["runs"]:
-        print(f"{r['arm']:<18}{r['val_acc']:>9.4f}{r['epsilon']:>8.3g}{r['trainable_params']:>12,}{r['fit_seconds']:>8.0f}")
+        print(
+            f"{r['arm']:<18}{r['val_acc']:>9.4f}{r['epsilon']:>8.3g}{r['trainable_params']:>12,}{r['fit_seconds']:>8.0f}"
+        )
 
 
 if __name__ == "__main__":

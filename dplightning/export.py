@@ -75,8 +75,10 @@ def load_module(checkpoint: dict[str, Any]) -> HFModule:
 
 
 def _card(privacy: dict[str, Any], kind: str, base: str | None) -> str:
-    eps = "∞ (no Poisson sampling: no amplification, no finite guarantee)" if math.isinf(privacy["epsilon"]) else (
-        f"{privacy['epsilon']:.4g}"
+    eps = (
+        "∞ (no Poisson sampling: no amplification, no finite guarantee)"
+        if math.isinf(privacy["epsilon"])
+        else (f"{privacy['epsilon']:.4g}")
     )
     return "\n".join(
         [
