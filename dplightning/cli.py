@@ -67,6 +67,11 @@ def main(args: list[str] | None = None) -> None:
         from dplightning.planning.memory import main as plan_main
 
         sys.exit(plan_main(argv[1:]))
+    if argv[:1] in (["-h"], ["--help"]):
+        print(
+            "dplightning also has: export --ckpt CKPT --out DIR (Hugging Face folders with the run's (ε, δ)) and "
+            "memory-plan --config CONFIG [--gpu-memory 80GB] (per-GPU memory of a DP step).\n"
+        )
     build_cli(args)
 
 

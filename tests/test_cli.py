@@ -11,7 +11,8 @@ from dplightning.cli import build_cli
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 OVERLAYS = sorted((CONFIG_DIR / "cluster").glob("*.yaml"))  # trainer-only files, combined with a task config
-CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - set(OVERLAYS))
+MODEL_OVERLAYS = {CONFIG_DIR / "finetune" / "lora_encoder.yaml": CONFIG_DIR / "finetune" / "sst2_minilm.yaml"}
+CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - set(OVERLAYS) - set(MODEL_OVERLAYS))
 QUICKSTART = CONFIG_DIR / "quickstart.yaml"
 
 
@@ -30,6 +31,14 @@ def test_cluster_overlays_combine_with_a_task_config(overlay: Path, capsys: pyte
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     assert "dplightning.DPDDPStrategy" in printed and "num_nodes: 2" in printed
+
+
+@pytest.mark.parametrize("overlay", list(MODEL_OVERLAYS), ids=[c.name for c in MODEL_OVERLAYS])
+def test_model_overlays_combine_with_their_task_config(overlay: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(["fit", "--config", str(MODEL_OVERLAYS[overlay]), "--config", str(overlay), "--print_config"])
+    assert exit_info.value.code == 0
+    assert "lora:" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -87,3 +96,17 @@ def test_strategy_help_lists_every_dp_argument_with_its_doc(strategy: str, capsy
     for name in names:
         assert f"--trainer.strategy.{name}" in printed, name
         assert " ".join(_DOCS[name].split()[:4]) in printed, name
+
+
+def test_export_and_memory_plan_are_commands_of_their_own(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dplightning.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "export --ckpt" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as plan:
+        config = str(CONFIG_DIR / "finetune" / "e2e_opt_small_cpu.yaml")
+        main(["memory-plan", "--config", config, "--gpu-memory", "8GB"])
+    assert plan.value.code == 0 and "estimated peak" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError):
+        main(["export", "--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "out")])

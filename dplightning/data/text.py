@@ -143,7 +143,7 @@ class TextDataModule(pl.LightningDataModule):
     def _tokenizer_folder(self) -> Path:
         if self.tokenizer_dir is not None:
             return Path(self.tokenizer_dir)
-        root = self.trainer.default_root_dir if self._trainer is not None else "lightning_logs"
+        root = self.trainer.default_root_dir if self.trainer is not None else "lightning_logs"
         return Path(root) / "tokenizer"
 
     def _training_texts(self) -> list[str]:
