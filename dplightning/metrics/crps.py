@@ -45,6 +45,7 @@ class QuantileCRPS(Metric):
             target: ``[*shape]``.
             mask: ``[*shape]``, 1 where the point is evaluated (default: everywhere).
         """
+        samples, target = samples.double(), target.double()  # float64 sums over a whole test set
         mask = torch.ones_like(target) if mask is None else mask.to(target.dtype)
         if self.sum_features:
             samples, target, mask = samples.sum(-1), target.sum(-1), mask.mean(-1)
@@ -52,8 +53,8 @@ class QuantileCRPS(Metric):
         predicted = torch.quantile(samples, levels, dim=0)  # [Q, *shape]
         indicator = (target <= predicted).to(target.dtype)
         loss = 2 * ((predicted - target) * mask * (indicator - levels.view(-1, *[1] * target.dim()))).abs()
-        self.losses += loss.flatten(1).sum(1).double()
-        self.denominator += (target * mask).abs().sum().double()
+        self.losses += loss.flatten(1).sum(1)
+        self.denominator += (target * mask).abs().sum()
 
     def compute(self) -> Tensor:
         return (self.losses / self.denominator).mean()

@@ -31,7 +31,7 @@ def random_missing_mask(observed_mask: Tensor, generator: torch.Generator | None
     Everything is drawn per example, so one example's mask never depends on another's.
     """
     b = observed_mask.shape[0]
-    flat = observed_mask.reshape(b, -1)
+    flat = observed_mask.flatten(1)  # works for empty Poisson batches too
     ratio = torch.rand(b, 1, generator=generator).to(flat.device)
     hidden = torch.round(ratio * flat.sum(1, keepdim=True))
     scores = torch.rand(flat.shape, generator=generator).to(flat.device) + (1 - flat) * 2  # unobserved: never hidden
