@@ -43,10 +43,27 @@ class DDPMSchedule(nn.Module):
         a = self.alpha_bars[t].view(-1, *([1] * (x0.dim() - 1)))
         return a.sqrt() * x0 + (1 - a).sqrt() * eps
 
-    def reverse_step(self, x: Tensor, t: int, eps_hat: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """One ancestral step t -> t-1: mean from ε̂, plus √β̃_t·z for t > 0."""
+    def reverse_step(
+        self,
+        x: Tensor,
+        t: int,
+        eps_hat: Tensor,
+        generator: torch.Generator | None = None,
+        clip_denoised: float | None = None,
+    ) -> Tensor:
+        """One ancestral step t -> t-1: mean from ε̂, plus √β̃_t·z for t > 0.
+
+        With ``clip_denoised`` the mean is the posterior mean μ̃(x_t, x̂_0) with the implied
+        x̂_0 = (x_t − √(1−ᾱ_t)·ε̂)/√ᾱ_t clamped to [−clip, clip] (Ho et al.'s ``clip_denoised``);
+        without clamping both forms are the same mean. CSDI does not clamp (``None``).
+        """
         beta, a = self.betas[t], self.alpha_bars[t]
-        x = (x - beta / (1 - a).sqrt() * eps_hat) / (1 - beta).sqrt()
+        if clip_denoised is None:
+            x = (x - beta / (1 - a).sqrt() * eps_hat) / (1 - beta).sqrt()
+        else:
+            x0 = ((x - (1 - a).sqrt() * eps_hat) / a.sqrt()).clamp(-clip_denoised, clip_denoised)
+            a_prev = self.alpha_bars[t - 1] if t > 0 else torch.ones_like(a)
+            x = (a_prev.sqrt() * beta * x0 + (1 - beta).sqrt() * (1 - a_prev) * x) / (1 - a)
         if t > 0:
             variance = (1 - self.alpha_bars[t - 1]) / (1 - a) * beta
             z = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
@@ -55,11 +72,16 @@ class DDPMSchedule(nn.Module):
 
     @torch.no_grad()
     def sample(
-        self, denoiser: Denoiser, shape: torch.Size, device: torch.device, generator: torch.Generator | None = None
+        self,
+        denoiser: Denoiser,
+        shape: torch.Size,
+        device: torch.device,
+        generator: torch.Generator | None = None,
+        clip_denoised: float | None = None,
     ) -> Tensor:
-        """Run the reverse chain from x ~ N(0, I) for all T steps."""
+        """Run the reverse chain from x ~ N(0, I) for all T steps (``clip_denoised``: see :meth:`reverse_step`)."""
         x = torch.randn(shape, generator=generator, device=device)
         for t in reversed(range(self.steps)):
             steps = torch.full((shape[0],), t, device=device, dtype=torch.long)
-            x = self.reverse_step(x, t, denoiser(x, steps), generator)
+            x = self.reverse_step(x, t, denoiser(x, steps), generator, clip_denoised)
         return x

@@ -1,8 +1,9 @@
 """A DiT-style ε-prediction network for multivariate time series, with DP-aware AdaLN-Zero bounds.
 
-Tokens are time steps. Each token sees the observed values ``M_c ⊙ X``, the noisy
+Tokens are time steps (``patch_size=1``, the spec's layout) or patches of ``patch_size``
+consecutive time steps (as PatchTST; far cheaper on a CPU). Each time step contributes the observed values ``M_c ⊙ X``, the noisy
 unobserved values ``(1 - M_c) ⊙ x_t``, the conditioning mask ``M_c`` and a sinusoidal
-time-position embedding (CSDI's side information, minus its learned feature embedding:
+embedding of the token's position (CSDI's side information, minus its learned feature embedding:
 with one token per time step that embedding is the same for every token and example, so
 it would only add a constant that the input bias already provides). The global condition
 is c = t_emb(t) + ctx(M_c ⊙ X, M_c), where ctx is a per-token Linear, GELU, mean over time
@@ -49,7 +50,8 @@ class TimeSeriesDiT(nn.Module):
         depth: Number of AdaLN-Zero blocks.
         heads: Attention heads.
         mlp_ratio: MLP width / d.
-        position_dim: Width of the sinusoidal time-position embedding fed to every token.
+        position_dim: Width of the sinusoidal position embedding fed to every token.
+        patch_size: Time steps per token; the window length must be a multiple of it.
         c_max: Radius of the L2 ball the condition c is projected onto (the spec's default is
             √d); ``None``: no projection.
         gamma_max: Per-coordinate bound of the scales γ; ``None``: unbounded.
@@ -66,6 +68,7 @@ class TimeSeriesDiT(nn.Module):
         heads: int = 4,
         mlp_ratio: float = 4.0,
         position_dim: int = 32,
+        patch_size: int = 1,
         c_max: float | None = None,
         gamma_max: float | None = None,
         beta_max: float | None = None,
@@ -77,13 +80,14 @@ class TimeSeriesDiT(nn.Module):
             raise ValueError(f"c_max must be positive or None, got {c_max}.")
         self.num_features = num_features
         self.position_dim = position_dim
+        self.patch_size = patch_size
         self.c_max = c_max
         bounds = ModulationBounds(gamma_max, beta_max, alpha_max, bound_mode)
-        self.x_embedder = nn.Linear(3 * num_features + position_dim, hidden)
+        self.x_embedder = nn.Linear(3 * num_features * patch_size + position_dim, hidden)
         self.t_embedder = TimestepEmbedder(hidden)
         self.ctx_encoder = ContextEncoder(num_features, hidden)
         self.blocks = nn.ModuleList(AdaLNZeroBlock(hidden, heads, mlp_ratio, bounds) for _ in range(depth))
-        self.final_layer = AdaLNFinalLayer(hidden, num_features, bounds)
+        self.final_layer = AdaLNFinalLayer(hidden, num_features * patch_size, bounds)
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -113,11 +117,14 @@ class TimeSeriesDiT(nn.Module):
         Returns:
             ε̂, ``[B, L, K]`` (only its unobserved entries are used).
         """
-        b, n, _ = noisy.shape
+        b, length, k = noisy.shape
+        if length % self.patch_size:
+            raise ValueError(f"Window length {length} is not a multiple of patch_size {self.patch_size}.")
+        n = length // self.patch_size
+        steps = torch.cat([observed, noisy, cond_mask], dim=-1).reshape(b, n, -1)  # [B, n, P * 3K]
         positions = sinusoidal_embedding(torch.arange(n, device=noisy.device), self.position_dim)
-        tokens = torch.cat([observed, noisy, cond_mask, positions.expand(b, n, -1)], dim=-1)
-        x = self.x_embedder(tokens)
+        x = self.x_embedder(torch.cat([steps, positions.expand(b, n, -1)], dim=-1))
         c = self.condition(t, observed, cond_mask)
         for block in self.blocks:
             x = block(x, c)
-        return self.final_layer(x, c)
+        return self.final_layer(x, c).reshape(b, length, k)

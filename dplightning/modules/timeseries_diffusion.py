@@ -75,6 +75,8 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
         diffusion_steps: DDPM steps T (CSDI: 50, "quad" schedule).
         n_samples: Samples per test window; the point forecast is their median.
         sample_chunk: Windows × samples denoised per network call while sampling (memory knob).
+        clip_denoised: Clamp the sampler's implied x̂_0 to [−clip, clip] at every step (in the
+            data's normalised units); ``None`` (CSDI) does not clamp.
         eval_seed: Seed of the evaluation masks and of the validation noise (public randomness).
         optimizer: Optimizer factory (``class_path`` in configs); default Adam, lr 1e-3.
     """
@@ -88,6 +90,7 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
         diffusion_steps: int = 50,
         n_samples: int = 100,
         sample_chunk: int = 2048,
+        clip_denoised: float | None = None,
         eval_seed: int = 0,
         optimizer: OptimizerCallable | None = None,
     ) -> None:
@@ -102,6 +105,7 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
         self.eval_missing_ratio = eval_missing_ratio
         self.n_samples = n_samples
         self.sample_chunk = sample_chunk
+        self.clip_denoised = clip_denoised
         self.eval_seed = eval_seed
         self.optimizer = optimizer
         self.schedule = DDPMSchedule(diffusion_steps)
@@ -205,7 +209,9 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
         out = torch.empty_like(xs)
         for lo in range(0, len(xs), self.sample_chunk):
             xc, mc = xs[lo : lo + self.sample_chunk], masks[lo : lo + self.sample_chunk]
-            drawn = self.schedule.sample(lambda x_t, t, xc=xc, mc=mc: self.denoise(x_t, xc, mc, t), xc.shape, x.device)
+            drawn = self.schedule.sample(
+                lambda x_t, t, xc=xc, mc=mc: self.denoise(x_t, xc, mc, t), xc.shape, x.device, None, self.clip_denoised
+            )
             out[lo : lo + len(xc)] = mc * xc + (1 - mc) * drawn
         return out.view(s, b, *x.shape[1:])
 
