@@ -1,12 +1,13 @@
 """A DiT-style ε-prediction network for multivariate time series, with DP-aware AdaLN-Zero bounds.
 
 Tokens are time steps (``patch_size=1``, the spec's layout) or patches of ``patch_size``
-consecutive time steps (as PatchTST; far cheaper on a CPU). Each time step contributes the observed values ``M_c ⊙ X``, the noisy
-unobserved values ``(1 - M_c) ⊙ x_t``, the conditioning mask ``M_c`` and a sinusoidal
-embedding of the token's position (CSDI's side information, minus its learned feature embedding:
-with one token per time step that embedding is the same for every token and example, so
-it would only add a constant that the input bias already provides). The global condition
-is c = t_emb(t) + ctx(M_c ⊙ X, M_c), where ctx is a per-token Linear, GELU, mean over time
+consecutive time steps (as PatchTST; far cheaper on a CPU). Each time step contributes the
+observed values ``M_c ⊙ X``, the noisy unobserved values ``(1 - M_c) ⊙ x_t`` and the
+conditioning mask ``M_c``; each token also gets a sinusoidal embedding of its position.
+That is CSDI's side information minus its learned feature embedding: with all variables
+of a time step in one token, that embedding is the same for every token and example and
+would only add a constant that the input bias already provides. The global condition is
+c = t_emb(t) + ctx(M_c ⊙ X, M_c), where ctx is a per-time-step Linear, GELU, mean over time
 and a Linear. With ``c_max`` / ``gamma_max`` / ``beta_max`` / ``alpha_max`` set, c is
 projected onto the L2 ball and the modulation is bounded (DP-aware AdaLN-Zero); with all of
 them ``None`` this is plain AdaLN-Zero.
@@ -121,7 +122,7 @@ class TimeSeriesDiT(nn.Module):
         if length % self.patch_size:
             raise ValueError(f"Window length {length} is not a multiple of patch_size {self.patch_size}.")
         n = length // self.patch_size
-        steps = torch.cat([observed, noisy, cond_mask], dim=-1).reshape(b, n, -1)  # [B, n, P * 3K]
+        steps = torch.cat([observed, noisy, cond_mask], dim=-1).reshape(b, n, 3 * k * self.patch_size)  # [B, n, P·3K]
         positions = sinusoidal_embedding(torch.arange(n, device=noisy.device), self.position_dim)
         x = self.x_embedder(torch.cat([steps, positions.expand(b, n, -1)], dim=-1))
         c = self.condition(t, observed, cond_mask)

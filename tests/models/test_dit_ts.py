@@ -92,3 +92,19 @@ def test_extreme_contexts_give_lighter_conditioning_gradient_tails_with_bounds()
     assert norms_v[:2].min() > 10 * np.median(norms_v)  # the injected contexts produce the tail in vanilla
     assert norms_a.max() < norms_v.max() and np.quantile(norms_a, 0.99) < np.quantile(norms_v, 0.99)
     assert norms_a.max() / np.median(norms_a) < norms_v.max() / np.median(norms_v)
+
+
+def test_patch_tokens_keep_zero_init_bounds_and_the_window_shape() -> None:
+    torch.manual_seed(0)
+    model = TimeSeriesDiT(num_features=K, hidden=D, depth=1, heads=2, position_dim=8, patch_size=4, **AWARE)
+    noisy, observed, cond, t = inputs(3)
+    assert model(noisy, observed, cond, t).eq(0).all()
+    for p in model.parameters():
+        p.data += 0.1 * torch.randn_like(p)
+    out = model(noisy, observed, cond, t)
+    assert out.shape == (3, L, K) and out.abs().sum() > 0
+    shifted = noisy.clone()
+    shifted[:, -1] += 1.0  # the last time step lies in the last patch only: earlier tokens see it through attention
+    assert not torch.equal(model(shifted, observed, cond, t)[:, -4:], out[:, -4:])
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        model(noisy[:, :10], observed[:, :10], cond[:, :10], t)

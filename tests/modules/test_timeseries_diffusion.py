@@ -149,3 +149,15 @@ def test_short_dp_fit_reports_epsilon_and_trains_then_tests(tmp_path: Path) -> N
     assert set(result) == {"test_mse", "test_rmse", "test_mae", "test_crps", "test_crps_sum"}
     assert all(math.isfinite(v) for v in result.values())
     assert result["test_rmse"] == pytest.approx(math.sqrt(result["test_mse"]), rel=1e-5)
+
+
+def test_clamped_sampler_is_the_same_step_when_nothing_is_clamped_and_bounds_x0() -> None:
+    schedule = DDPMSchedule()
+    x0, eps = torch.randn(4, 5), torch.randn(4, 5)
+    for t in (0, 10, 49):
+        x_t = schedule.noise(x0, torch.full((4,), t), eps)
+        plain = schedule.reverse_step(x_t, t, eps, torch.Generator().manual_seed(0))
+        loose = schedule.reverse_step(x_t, t, eps, torch.Generator().manual_seed(0), clip_denoised=1e6)
+        torch.testing.assert_close(loose, plain, rtol=1e-3, atol=1e-3)  # float32: x̂_0 divides by √ᾱ_t ≈ 0.003
+    x_t = schedule.noise(x0 * 100, torch.zeros(4, dtype=torch.long), eps)
+    assert schedule.reverse_step(x_t, 0, eps, clip_denoised=3.0).abs().max() <= 3.0  # t = 0 returns x̂_0
