@@ -48,8 +48,8 @@ def quality_table(report: dict[str, Any], task: str, clamped: bool) -> str:
 
 def gradient_table(report: dict[str, Any], task: str) -> str:
     head = ("| arm | probe | cond p50 | cond p99 | cond max | rest p99 | cond share | clipped | clip bias | "
-            "cos(mean g, mean clip g) | hidden share top 5% / all |")  # fmt: skip
-    lines = [head, "|" + "---|" * 11]
+            "cos(mean g, mean clip g) | hidden share top 5% / all | context RMS top 5% / all |")  # fmt: skip
+    lines = [head, "|" + "---|" * 12]
     for arm in ("dp_vanilla", "dp_aware", "nonprivate_vanilla", "nonprivate_aware"):
         for when in ("probe_init", "probe_final"):
             runs = runs_of(report, task, arm)
@@ -66,7 +66,8 @@ def gradient_table(report: dict[str, Any], task: str) -> str:
                 f"{mean(lambda x: x['rest']['p99'])} | {mean(lambda x: x['cond_share'])} | "
                 f"{mean(lambda x: x['clip_fraction'])} | {mean(lambda x: x['clip_bias'])} | "
                 f"{mean(lambda x: x['clip_cosine'])} | "
-                f"{mean(lambda x: x['hidden_share_top5'])} / {mean(lambda x: x['hidden_share_all'])} |"
+                f"{mean(lambda x: x['hidden_share_top5'])} / {mean(lambda x: x['hidden_share_all'])} | "
+                f"{mean(lambda x: x['context_rms_top5'])} / {mean(lambda x: x['context_rms_all'])} |"
             )
     return "\n".join(lines)
 
@@ -113,6 +114,7 @@ def forecast_figure(report: dict[str, Any], path: Path) -> None:
         ax.set_title(ARM_NAMES[arm], fontsize=9)
         ax.set_xlabel("hour in window")
     axes[0][0].set_ylabel("OT (train z-score)")
+    fig.suptitle("First test window, 64 samples, sampler with x̂0 clamped to ±5", fontsize=9)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
