@@ -1,12 +1,14 @@
-"""Data: Poisson sampling for train loaders, the embedded digits DataModule and text DataModules."""
+"""Data: Poisson sampling for train loaders, the embedded digits, text DataModules and the ETT benchmarks."""
 
 from dplightning.data.digits import DigitsDataModule
+from dplightning.data.ett import ETTDataModule
 from dplightning.data.poisson import EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader
 from dplightning.data.text import E2EDataModule, SST2DataModule, TextDataModule, TextFileDataModule
 
 __all__ = [
     "DigitsDataModule",
     "E2EDataModule",
+    "ETTDataModule",
     "EmptySafeCollate",
     "PoissonBatchSampler",
     "PoissonDataLoader",

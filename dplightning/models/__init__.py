@@ -1,5 +1,7 @@
 """Plain ``nn.Module`` networks (no Lightning, no DP code)."""
 
+from dplightning.models.adaln import AdaLNFinalLayer, AdaLNZeroBlock, ModulationBounds
+from dplightning.models.dit_ts import TimeSeriesDiT
 from dplightning.models.small import MLP, SmallCNN
 
-__all__ = ["MLP", "SmallCNN"]
+__all__ = ["MLP", "AdaLNFinalLayer", "AdaLNZeroBlock", "ModulationBounds", "SmallCNN", "TimeSeriesDiT"]
