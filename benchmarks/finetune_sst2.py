@@ -34,7 +34,9 @@ ARMS = {
 }
 
 
-def run_arm(name: str, steps: int, batch_size: int, data: str, seed: int) -> dict:
+def run_arm(
+    name: str, steps: int, batch_size: int, data: str, seed: int, train_limit: int | None, sigma: float | None
+) -> dict:
     private, lora, lr = ARMS[name]
     args = ["fit", "--config", str(CONFIG), *(["--config", str(LORA)] if lora else [])]
     args += [
@@ -47,8 +49,13 @@ def run_arm(name: str, steps: int, batch_size: int, data: str, seed: int) -> dic
         f"--data.init_args.batch_size={batch_size}",
         f"--model.init_args.optimizer.init_args.lr={lr}",
     ]
+    if train_limit is not None:
+        args.append(f"--data.init_args.train_limit={train_limit}")
     if not private:
         args.append("--trainer.strategy=auto")
+    elif sigma is not None:  # a fixed σ instead of the one calibrated for ε = 8
+        noise = f"--trainer.strategy.init_args.noise_multiplier={sigma}"
+        args += ["--trainer.strategy.init_args.target_epsilon=null", noise]
     start = time.perf_counter()
     cli = build_cli(args)
     fit_s = time.perf_counter() - start
@@ -62,6 +69,7 @@ def run_arm(name: str, steps: int, batch_size: int, data: str, seed: int) -> dic
         "delta": getattr(strategy, "delta", None),
         "noise_multiplier": getattr(strategy, "noise_multiplier", None),
         "steps": steps,
+        "train_examples": train_limit,
         "batch_size": batch_size,
         "lr": lr,
         "trainable_params": cli.model.trainable_parameters(),
@@ -76,6 +84,8 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "sst2"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-limit", type=int, default=None, help="a random subset of the training split")
+    parser.add_argument("--noise-multiplier", type=float, default=None, help="fixed σ (default: calibrated for ε)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "finetune_sst2_cpu.json"))
     args = parser.parse_args()
@@ -85,8 +95,8 @@ def main() -> None:
     fresh = {"command": " ".join(["python", *sys.argv]), "environment": environment(args.threads), "runs": []}
     results = json.loads(out.read_text()) if out.exists() else fresh
     for name in args.arms:
-        row = run_arm(name, args.steps, args.batch_size, args.data, args.seed)
-        results["runs"] = [r for r in results["runs"] if r["arm"] != name] + [row]
+        row = run_arm(name, args.steps, args.batch_size, args.data, args.seed, args.train_limit, args.noise_multiplier)
+        results["runs"].append(row)
         out.write_text(json.dumps(results, indent=2) + "\n")  # after every arm: nothing lost if stopped
         print(json.dumps(row))
     print(f"{'arm':<18}{'dev acc':>9}{'ε':>8}{'trained':>12}{'fit s':>8}")

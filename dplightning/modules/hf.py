@@ -94,6 +94,18 @@ def resolve_package_path(pretrained: str) -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], folder)
 
 
+def _in_cache(repo_id: str) -> bool:
+    # Checked here rather than by from_pretrained(local_files_only=True): transformers' adapter
+    # lookup inside it still goes to the network (23 s of retries when there is none).
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        files = ("config.json", "tokenizer_config.json")
+        return any(isinstance(try_to_load_from_cache(repo_id, f), str) for f in files)
+    except ValueError:  # not a valid repo id
+        return False
+
+
 def from_pretrained(auto_class: Any, pretrained: str, **kwargs: Any) -> Any:
     """``auto_class.from_pretrained`` that never waits on a network it cannot reach.
 
@@ -108,10 +120,8 @@ def from_pretrained(auto_class: Any, pretrained: str, **kwargs: Any) -> Any:
         return auto_class.from_pretrained(os.path.expanduser(pretrained), local_files_only=True, **kwargs)
     if os.path.sep in pretrained and not os.path.exists(pretrained) and pretrained.count("/") > 1:
         raise OSError(f"pretrained={pretrained!r} looks like a local path but does not exist.")
-    try:
+    if _in_cache(pretrained):
         return auto_class.from_pretrained(pretrained, local_files_only=True, **kwargs)
-    except OSError:
-        pass
     hint = (
         f"Could not load {pretrained!r}: it is not a local folder, not in the Hugging Face cache, and the hub "
         "is not reachable here. Download it once where there is network (`huggingface-cli download "
