@@ -240,8 +240,9 @@ class TextDataModule(pl.LightningDataModule):
             seen: dict[tuple[int, ...], dict[str, Any]] = {}
             for e in self.splits["test"]:
                 seen.setdefault(tuple(e["prompt_ids"]), {"prompt_ids": e["prompt_ids"]})
-            data = list(seen.values())
-            return DataLoader(data, batch_size=self.eval_batch_size, collate_fn=PadCollate(self.tokenizer.pad_token_id))  # type: ignore[arg-type]
+            prompts: list[dict[str, Any]] = list(seen.values())
+            collate = PadCollate(self.tokenizer.pad_token_id)
+            return DataLoader(prompts, batch_size=self.eval_batch_size, collate_fn=collate)  # type: ignore[arg-type]
         return self.test_dataloader()
 
 
