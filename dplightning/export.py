@@ -41,8 +41,6 @@ def privacy_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
     steps = sum(int(t) for _, _, t in ledger["history"])
     poisson = state.get("poisson_sampling", True)
     epsilon = compute_epsilon(ledger["history"], delta, ledger["accountant"]) if poisson and steps else math.inf
-    if not poisson:
-        epsilon = math.inf
     return {
         "epsilon": epsilon,
         "delta": delta,

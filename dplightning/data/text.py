@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from dplightning.data.tokenizer import load_tokenizer, train_bpe
 
 IGNORE = -100
+"""Label of positions that carry no loss (padding, and the prompt of prompt/completion data)."""
 
 
 @dataclass(frozen=True)
@@ -216,9 +217,9 @@ class TextDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ loaders
 
-    def _loader(self, split: str, batch_size: int, shuffle: bool = False) -> DataLoader:
+    def _loader(self, data: list[dict[str, Any]], batch_size: int, shuffle: bool = False) -> DataLoader:
         return DataLoader(
-            self.splits[split],  # type: ignore[arg-type]
+            data,  # type: ignore[arg-type]
             batch_size=batch_size,
             shuffle=shuffle,
             collate_fn=PadCollate(self.tokenizer.pad_token_id),
@@ -226,13 +227,13 @@ class TextDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.batch_size, shuffle=True)
+        return self._loader(self.splits["train"], self.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", self.eval_batch_size)
+        return self._loader(self.splits["val"], self.eval_batch_size)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", self.eval_batch_size)
+        return self._loader(self.splits["test"], self.eval_batch_size)
 
     def predict_dataloader(self) -> DataLoader:
         """Test prompts, each distinct prompt once (for generation), or the test texts."""
@@ -240,9 +241,7 @@ class TextDataModule(pl.LightningDataModule):
             seen: dict[tuple[int, ...], dict[str, Any]] = {}
             for e in self.splits["test"]:
                 seen.setdefault(tuple(e["prompt_ids"]), {"prompt_ids": e["prompt_ids"]})
-            prompts: list[dict[str, Any]] = list(seen.values())
-            collate = PadCollate(self.tokenizer.pad_token_id)
-            return DataLoader(prompts, batch_size=self.eval_batch_size, collate_fn=collate)  # type: ignore[arg-type]
+            return self._loader(list(seen.values()), self.eval_batch_size)
         return self.test_dataloader()
 
 

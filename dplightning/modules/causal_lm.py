@@ -11,11 +11,9 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 
+from dplightning.data.text import IGNORE
 from dplightning.modules._hf_module import HFModule
 from dplightning.modules.hf import LoraSettings
-
-IGNORE = -100
-"""Label of positions that carry no loss (padding, and the prompt of prompt/completion data)."""
 
 
 def per_example_token_mean(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

@@ -94,9 +94,9 @@ def check_no_gradient_checkpointing(module: nn.Module) -> None:
     layer's input alive, which is exactly the memory it was meant to save.
     """
     on = [name or "<root>" for name, m in module.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if on or getattr(module, "is_gradient_checkpointing", False) is True:
+    if on:
         raise NotImplementedError(
-            f"Gradient checkpointing is on ({', '.join(on[:3]) or 'model'}): per-example gradients need each "
+            f"Gradient checkpointing is on ({', '.join(on[:3])}): per-example gradients need each "
             "layer's input activation from the training forward, which checkpointing discards and recomputes "
             "inside the backward pass, where the per-example hooks cannot capture it (and keeping them would "
             "undo its memory saving). Call model.gradient_checkpointing_disable(); fit memory with a smaller "
