@@ -136,10 +136,10 @@ def environment(threads: int) -> dict[str, Any]:
 
 
 def source() -> dict[str, Any]:
-    """Where dplightning was imported from, its git commit and uncommitted files (the code measured)."""
+    """The git commit of the dplightning measured and its uncommitted files (no machine paths in results)."""
     root = Path(dplightning.__file__).resolve().parents[1]
 
     def git(*argv: str) -> str:
         return subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True).stdout.strip()
 
-    return {"path": str(root), "commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain").splitlines()}
+    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain").splitlines()}

@@ -35,9 +35,19 @@ ARMS = {
 
 
 def run_arm(
-    name: str, steps: int, batch_size: int, data: str, seed: int, train_limit: int | None, sigma: float | None
+    name: str,
+    steps: int,
+    batch_size: int,
+    data: str,
+    seed: int,
+    train_limit: int | None,
+    sigma: float | None,
+    pooling: str,
+    lr: float | None,
+    head_lr: float | None,
 ) -> dict:
-    private, lora, lr = ARMS[name]
+    private, lora, arm_lr = ARMS[name]
+    lr = arm_lr if lr is None else lr
     args = ["fit", "--config", str(CONFIG), *(["--config", str(LORA)] if lora else [])]
     args += [
         f"--seed_everything={seed}",
@@ -48,6 +58,8 @@ def run_arm(
         f"--data.init_args.path={data}",
         f"--data.init_args.batch_size={batch_size}",
         f"--model.init_args.optimizer.init_args.lr={lr}",
+        f"--model.init_args.pooling={pooling}",
+        f"--model.init_args.head_lr={'null' if head_lr is None else head_lr}",
     ]
     if train_limit is not None:
         args.append(f"--data.init_args.train_limit={train_limit}")
@@ -72,6 +84,8 @@ def run_arm(
         "train_examples": train_limit,
         "batch_size": batch_size,
         "lr": lr,
+        "head_lr": head_lr,
+        "pooling": pooling,
         "trainable_params": cli.model.trainable_parameters(),
         "fit_seconds": round(fit_s, 1),
     }
@@ -86,6 +100,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-limit", type=int, default=None, help="a random subset of the training split")
     parser.add_argument("--noise-multiplier", type=float, default=None, help="fixed σ (default: calibrated for ε)")
+    parser.add_argument("--lr", type=float, default=None, help="override the arm's learning rate")
+    parser.add_argument("--head-lr", type=float, default=None, help="the classification head's own lr")
+    parser.add_argument("--pooling", default="mean", choices=["mean", "model"], help="see DPSequenceClassifier")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "finetune_sst2_cpu.json"))
     args = parser.parse_args()
@@ -95,14 +112,18 @@ def main() -> None:
     fresh = {"command": " ".join(["python", *sys.argv]), "environment": environment(args.threads), "runs": []}
     results = json.loads(out.read_text()) if out.exists() else fresh
     for name in args.arms:
-        row = run_arm(name, args.steps, args.batch_size, args.data, args.seed, args.train_limit, args.noise_multiplier)
+        settings = (args.seed, args.train_limit, args.noise_multiplier, args.pooling, args.lr, args.head_lr)
+        row = run_arm(name, args.steps, args.batch_size, args.data, *settings)
         results["runs"].append(row)
         out.write_text(json.dumps(results, indent=2) + "\n")  # after every arm: nothing lost if stopped
         print(json.dumps(row))
-    print(f"{'arm':<18}{'dev acc':>9}{'ε':>8}{'trained':>12}{'fit s':>8}")
+    print(f"{'arm':<18}{'pooling':>8}{'lr':>8}{'head lr':>8}{'dev acc':>9}{'ε':>8}{'trained':>12}{'fit s':>8}")
     for r in results["runs"]:
+        pool = r.get("pooling", "model")  # runs before the option existed used the model's head
+        head = r.get("head_lr") or "-"
         print(
-            f"{r['arm']:<18}{r['val_acc']:>9.4f}{r['epsilon']:>8.3g}{r['trainable_params']:>12,}{r['fit_seconds']:>8.0f}"
+            f"{r['arm']:<18}{pool:>8}{r['lr']:>8.0e}{head:>8}{r['val_acc']:>9.4f}{r['epsilon']:>8.3g}"
+            f"{r['trainable_params']:>12,}{r['fit_seconds']:>8.0f}"
         )
 
 

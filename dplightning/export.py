@@ -72,7 +72,7 @@ def load_module(checkpoint: dict[str, Any]) -> HFModule:
     return module
 
 
-def _card(privacy: dict[str, Any], kind: str, base: str | None) -> str:
+def _card(privacy: dict[str, Any], kind: str, base: str | None, pooling: str | None = None) -> str:
     eps = (
         "∞ (no Poisson sampling: no amplification, no finite guarantee)"
         if math.isinf(privacy["epsilon"])
@@ -94,6 +94,15 @@ def _card(privacy: dict[str, Any], kind: str, base: str | None) -> str:
             "the DP steps (a tokenizer fit to the private training split, hyperparameter search, metrics logged "
             "under `nonprivate/`).",
             *([f"- Base model: {base}"] if base else []),
+            *(
+                [
+                    f"- Pooling: {pooling} over each example's tokens. `AutoModelForSequenceClassification` applies "
+                    "the architecture's own head instead: load with `dplightning.modules.DPSequenceClassifier("
+                    f"pretrained=<this folder>, pooling={pooling!r})`."
+                ]
+                if pooling
+                else []
+            ),
             "",
         ]
     )
@@ -105,7 +114,8 @@ def _write(model: Any, tokenizer: Any, folder: Path, privacy: dict[str, Any], ki
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
     (folder / "privacy.json").write_text(json.dumps(privacy, indent=2, default=str) + "\n", encoding="utf-8")
-    (folder / "README.md").write_text(_card(privacy, kind, base), encoding="utf-8")
+    pooling = getattr(model.config, "dplightning_pooling", None)
+    (folder / "README.md").write_text(_card(privacy, kind, base, pooling), encoding="utf-8")
 
 
 def export(ckpt: str | Path, out: str | Path, merged: bool = True) -> list[Path]:

@@ -130,8 +130,12 @@ class HFModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimizers and checkpoints
 
+    def parameter_groups(self) -> list[nn.Parameter] | list[dict[str, Any]]:
+        """What the optimizer gets: the trainable parameters (subclasses may split them into groups)."""
+        return [p for p in self.parameters() if p.requires_grad]
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        params = [p for p in self.parameters() if p.requires_grad]
+        params = self.parameter_groups()
         if self.optimizer is None:
             return torch.optim.AdamW(params, lr=5e-4, weight_decay=0.0)
         return self.optimizer(params)

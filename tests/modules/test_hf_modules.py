@@ -170,6 +170,25 @@ def test_lora_export_writes_adapter_and_merged_folders_with_the_guarantee(tmp_pa
     assert any("lora_A" in n for n, _ in adapter.named_parameters())
 
 
+def test_mean_pooled_classifier_exports_and_reloads_with_its_pooling(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = DPSequenceClassifier(config=hf_tiny.config("bert"), pooling="mean")
+    assert not any(p.requires_grad for p in module.base_model.bert.pooler.parameters())  # bypassed: frozen
+    strategy = dp(noise_multiplier=1.0)
+    trainer = make_trainer(strategy, max_steps=2, enable_checkpointing=True, default_root_dir=str(tmp_path))
+    trainer.fit(module, _loader(causal=False))
+    trainer.save_checkpoint(str(tmp_path / "run.ckpt"))
+    (folder,) = export(tmp_path / "run.ckpt", tmp_path / "out")
+    assert "pooling='mean'" in (folder / "README.md").read_text()
+    reloaded = DPSequenceClassifier(pretrained=str(folder), pooling="mean").eval()
+    batch = next(iter(_loader(causal=False)))
+    torch.testing.assert_close(reloaded(batch), module.eval()(batch))
+    as_cls = DPSequenceClassifier(pretrained=str(folder)).eval()  # the architecture's own head: other logits
+    assert not torch.allclose(as_cls(batch), module(batch))
+    with pytest.raises(ValueError, match="pooling='mean' supports"):
+        DPSequenceClassifier(config=hf_tiny.config("gpt2"), pooling="mean")
+
+
 def test_full_fine_tuning_export_and_a_checkpoint_without_dp_is_refused(tmp_path: Path) -> None:
     module = _gpt2()
     ckpt, eps = _fit_with_checkpoint(module, tmp_path)

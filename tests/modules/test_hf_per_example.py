@@ -3,7 +3,8 @@
 The reference runs each example alone, without its padding: so the comparison also shows
 that padded positions contribute exactly nothing. Models are tiny random GPT-2 (tied
 embeddings, default position ids of shape [1, T]), OPT (learned positions from the
-attention mask), Llama-style (RMSNorm, rotary), BERT and RoBERTa, each with and without LoRA.
+attention mask), Llama-style (RMSNorm, rotary), BERT and RoBERTa, each with and without LoRA,
+and the encoders with mean pooling too.
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ from dplightning.privacy.grad_sample import PerExampleHooks, available_engines
 from tests.helpers import dp, make_trainer, params_of
 from tests.modules import hf_tiny
 
-MODELS = [*hf_tiny.CAUSAL, *hf_tiny.ENCODERS]
+MODELS = [*hf_tiny.CAUSAL, *hf_tiny.ENCODERS, *(f"{name}:mean" for name in hf_tiny.ENCODERS)]
 
 
 def _module(name: str, with_lora: bool) -> DPCausalLM | DPSequenceClassifier:
     torch.manual_seed(0)
+    name, _, pooling = name.partition(":")
     lora = hf_tiny.lora(name) if with_lora else None
     if name in hf_tiny.CAUSAL:
         module = DPCausalLM(config=hf_tiny.config(name), lora=lora)
     else:
-        module = DPSequenceClassifier(config=hf_tiny.config(name), num_labels=2, lora=lora)
+        module = DPSequenceClassifier(config=hf_tiny.config(name), num_labels=2, lora=lora, pooling=pooling or "model")
     if with_lora:  # peft starts B at zero, which would make the adapters' A gradients trivially zero
         for n, p in module.named_parameters():
             if "lora_B" in n:
