@@ -45,7 +45,7 @@ from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise
 from dplightning.protocols import ShowsEpsilon
 from dplightning.strategies._progress import _EpsilonProgress
-from dplightning.strategies.accounting import PrivacyAccounting
+from dplightning.strategies.accounting import PrivacyAccounting, library_versions
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.private_step import PrivateStep
 
@@ -65,6 +65,8 @@ class _DPHooks(Strategy):
         self._closure_calls = 0
         self._extra_handles: list[Any] = []
         self._final_stats: tuple[list[MicroBatchStats], int] = ([], 0)  # kept after teardown
+        self._engines: dict[str, str] = {}  # layer -> engine, kept after teardown for the checkpoint
+        self._rows_per_unit = 1
 
     # ------------------------------------------------------------------ public API
 
@@ -188,8 +190,24 @@ class _DPHooks(Strategy):
         return self.accounting.epsilon_bound(delta)
 
     def dp_state_dict(self) -> dict[str, Any]:
-        """Public privacy state for checkpoints (never any seed or generator state)."""
-        return self.accounting.state_dict()
+        """Public privacy state for checkpoints (never any seed or generator state).
+
+        Besides the accounting state it records what ``dplightning privacy-report`` shows: the
+        exact ε at the run's δ when the checkpoint was written, the engine of every layer, the
+        privacy unit, the world size, whether a test seed was used and the library versions.
+        """
+        state = self.accounting.state_dict()
+        delta = self.accounting.delta
+        state["epsilon"] = self.accounting.get_epsilon() if delta is not None else None
+        state["accountant"] = self.dp_config.accountant
+        state["secure_mode"] = self.dp_config.secure_mode
+        state["seeded"] = self.dp_config.seed is not None  # never the seed itself
+        state["world_size"] = self.world_size
+        state["rows_per_unit"] = self._rows_per_unit
+        state["layer_engines"] = dict(self._engines)
+        state["nonfinite_examples"] = self.nonfinite_examples
+        state["versions"] = library_versions()
+        return state
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -304,6 +322,9 @@ class _DPHooks(Strategy):
         noise = GaussianNoise(self.dp_config.seed, rank=self.global_rank, secure_mode=self.dp_config.secure_mode)
         self.private_step = PrivateStep(self.dp_config, module, self.optimizers[0], noise)
         rank_zero_info(f"Per-example gradients, engine per layer:\n{self.private_step.summary()}")
+        assert self.private_step.hooks is not None
+        self._engines = {name: engine for name, _, _, engine in self.private_step.hooks.summary()}
+        self._rows_per_unit = _rows_per_unit(module)
         capturing = lambda: self.private_step is not None and self.private_step.hooks.capturing  # noqa: E731
         self._extra_handles = warn_on_batch_mean_loss(module, capturing)
         self._restore_dp_state(trainer)
