@@ -20,6 +20,7 @@ to its own submodules, so ``state_dict`` keys are unchanged.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,7 @@ from dplightning.privacy.grad_sample.validation import warn_on_batch_mean_loss
 from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise
 from dplightning.protocols import ShowsEpsilon
-from dplightning.strategies._progress import _EpsilonProgress
+from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount
 from dplightning.strategies.accounting import PrivacyAccounting, library_versions
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.private_step import PrivateStep
@@ -67,6 +68,8 @@ class _DPHooks(Strategy):
         self._final_stats: tuple[list[MicroBatchStats], int] = ([], 0)  # kept after teardown
         self._engines: dict[str, str] = {}  # layer -> engine, kept after teardown for the checkpoint
         self._rows_per_unit = 1
+        self._warned_nonfinite = False
+        self._nonfinite_seen = 0  # the count at the last release (examples are counted when clipped)
 
     # ------------------------------------------------------------------ public API
 
@@ -272,6 +275,12 @@ class _DPHooks(Strategy):
         super().on_train_end()
         if self.accounting.ledger.steps:
             rank_zero_info(self.accounting.report(self.dp_config.clipping_engine))
+        if self.nonfinite_examples:
+            warnings.warn(
+                f"{self.nonfinite_examples} example(s) of this run had a non-finite per-example gradient and "
+                "contributed zero to their step.",
+                stacklevel=2,
+            )
 
     @override
     def teardown(self) -> None:
@@ -327,9 +336,12 @@ class _DPHooks(Strategy):
         self._rows_per_unit = _rows_per_unit(module)
         capturing = lambda: self.private_step is not None and self.private_step.hooks.capturing  # noqa: E731
         self._extra_handles = warn_on_batch_mean_loss(module, capturing)
+        self._nonfinite_seen, self._warned_nonfinite = 0, False
         self._restore_dp_state(trainer)
         if not any(isinstance(cb, ShowsEpsilon) and cb.shows_epsilon for cb in trainer.callbacks):
             trainer.callbacks.append(_EpsilonProgress())
+        if not any(isinstance(cb, _NonfiniteCount) for cb in trainer.callbacks):
+            trainer.callbacks.append(_NonfiniteCount())
 
     def _restore_dp_state(self, trainer: pl.Trainer) -> None:
         state, self._resume_state = self._resume_state, None
@@ -347,13 +359,14 @@ class _DPHooks(Strategy):
     def _private_loader(self, trainer: pl.Trainer, dataloader: object) -> object:
         if not isinstance(dataloader, DataLoader):
             raise TypeError(f"DP training needs a torch DataLoader as train loader, got {type(dataloader).__name__}.")
-        n, batch_size = len(dataloader.dataset), dataloader.batch_size or 0  # type: ignore[arg-type]
+        if self.dp_config.poisson_sampling:
+            check_poisson_compatible(dataloader)  # before len(): an IterableDataset has none
+        n, batch_size = _dataset_size(dataloader), dataloader.batch_size or 0
         self._check_same_on_every_rank(dataloader, num_samples=n, batch_size=batch_size)
         q = batch_size * self.world_size / n
         if not self.dp_config.poisson_sampling:
             self.accounting.set_sampling(n, q)
             return dataloader
-        check_poisson_compatible(dataloader)
         self.accounting.set_sampling(n, q)
         loader = PoissonDataLoader.from_dataloader(
             dataloader,
@@ -469,6 +482,31 @@ class _DPHooks(Strategy):
         total = self.noise_std
         step.release(self._local_noise_std(total), total, self.expected_batch_size, self._bucket_reducer(), self.steps)
         self.accounting.step()
+        seen, self._nonfinite_seen = self._nonfinite_seen, step.nonfinite_examples
+        if step.nonfinite_examples > seen and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            # Not rank_zero_warn: the rank that met the example says so. Later ones are only counted.
+            warnings.warn(
+                f"Step {self.steps}: {step.nonfinite_examples - seen} example(s) had a non-finite (NaN/inf) "
+                "per-example gradient (a NaN/inf loss or input); each contributed zero to the step, which stays "
+                "private and finite. The running count is strategy.nonfinite_examples and the logged metric "
+                f"'{NONFINITE_METRIC}' (raw, not private).",
+                stacklevel=2,
+            )
+
+
+def _dataset_size(dataloader: DataLoader) -> int:
+    """N of the train loader's dataset, refusing unsized and empty ones before any step."""
+    try:
+        n = len(dataloader.dataset)  # type: ignore[arg-type]
+    except TypeError as err:
+        raise TypeError(
+            f"DP training needs a dataset with a known size N (q = batch_size / N and δ depend on it); "
+            f"{type(dataloader.dataset).__name__} has no __len__. Use a map-style dataset."
+        ) from err
+    if n == 0:
+        raise ValueError("The train dataset is empty (N = 0): there is nothing to train on and q is undefined.")
+    return n
 
 
 def _rows_per_unit(module: nn.Module) -> int:
