@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import Strategy
@@ -47,6 +48,7 @@ from dplightning.privacy.noise import GaussianNoise
 from dplightning.protocols import ShowsEpsilon
 from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount
 from dplightning.strategies.accounting import PrivacyAccounting, library_versions
+from dplightning.strategies.checkpoint import atomic_save, is_local_path
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.private_step import PrivateStep
 
@@ -262,6 +264,11 @@ class _DPHooks(Strategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         checkpoint[CHECKPOINT_KEY] = self.dp_state_dict()
+        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local_path(filepath):
+            # Lightning's own local write is not atomic across filesystems (see strategies/checkpoint.py).
+            if self.is_global_zero:
+                atomic_save(checkpoint, filepath)
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
