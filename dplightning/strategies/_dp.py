@@ -20,6 +20,7 @@ to its own submodules, so ``state_dict`` keys are unchanged.
 from __future__ import annotations
 
 import math
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,7 @@ from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress,
 from dplightning.strategies.accounting import PrivacyAccounting, library_versions
 from dplightning.strategies.checkpoint import atomic_save, is_local_path
 from dplightning.strategies.config import DPConfig
+from dplightning.strategies.journal import PrivacyJournal
 from dplightning.strategies.private_step import PrivateStep
 
 CHECKPOINT_KEY = "dplightning"
@@ -70,6 +72,7 @@ class _DPHooks(Strategy):
         self._final_stats: tuple[list[MicroBatchStats], int] = ([], 0)  # kept after teardown
         self._engines: dict[str, str] = {}  # layer -> engine, kept after teardown for the checkpoint
         self._rows_per_unit = 1
+        self._run_id = uuid.uuid4().hex  # names this run's privacy journal; kept in its checkpoints
         self._warned_nonfinite = False
         self._nonfinite_seen = 0  # the count at the last release (examples are counted when clipped)
 
@@ -212,6 +215,7 @@ class _DPHooks(Strategy):
         state["layer_engines"] = dict(self._engines)
         state["nonfinite_examples"] = self.nonfinite_examples
         state["versions"] = library_versions()
+        state["run_id"] = self._run_id
         return state
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -354,11 +358,33 @@ class _DPHooks(Strategy):
         state, self._resume_state = self._resume_state, None
         if state is not None:
             self.accounting.load_state_dict(state)
+            self._run_id = state.get("run_id") or self._run_id
+            self._charge_journaled_steps()
         elif trainer.ckpt_path is not None:
             raise ValueError(
                 f"The checkpoint {trainer.ckpt_path} has no privacy ledger ('{CHECKPOINT_KEY}' entry): it was not "
                 "written by a DP strategy, so ε cannot continue. To fine-tune from its weights, load them with "
                 "`model.load_state_dict(torch.load(path)['state_dict'])` and start a new run."
+            )
+
+    def _journal(self) -> PrivacyJournal | None:
+        folder = self.dp_config.privacy_journal
+        return PrivacyJournal(folder, self._run_id) if folder is not None else None
+
+    def _charge_journaled_steps(self) -> None:
+        """Charge the steps a killed attempt released after the checkpoint (see strategies/journal.py)."""
+        journal = self._journal()
+        if journal is None:
+            return
+        # Rank 0 reads (the folder need not be shared); every rank charges the same steps.
+        lost = self.broadcast(journal.released_after(self.accounting.ledger.steps) if self.is_global_zero else None)
+        for sigma, q in lost:
+            self.accounting.ledger.step(sigma, q)
+        if lost:
+            rank_zero_warn(
+                f"The privacy journal {journal.path} holds {len(lost)} noisy step(s) released after the checkpoint "
+                "by the run that was killed; they are charged to the ledger too (ε covers them; global_step does not "
+                f"count them): now {self.accounting.ledger.steps} steps."
             )
 
     # ------------------------------------------------------------------ data
@@ -489,6 +515,10 @@ class _DPHooks(Strategy):
         total = self.noise_std
         step.release(self._local_noise_std(total), total, self.expected_batch_size, self._bucket_reducer(), self.steps)
         self.accounting.step()
+        journal = self._journal()
+        if journal is not None and self.is_global_zero and self.accounting.ledger.history:
+            sigma, q, _ = self.accounting.ledger.history[-1]
+            journal.append(self.steps, sigma, q)  # durable before optimizer.step applies the update
         seen, self._nonfinite_seen = self._nonfinite_seen, step.nonfinite_examples
         if step.nonfinite_examples > seen and not self._warned_nonfinite:
             self._warned_nonfinite = True

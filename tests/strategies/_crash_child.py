@@ -36,8 +36,8 @@ def budget() -> float:
     return (eps[0] + eps[1]) / 2
 
 
-def strategy(seed: int):
-    return dp(noise_multiplier=SIGMA, accountant="gdp", seed=seed)
+def strategy(seed: int, journal: str | None = None):
+    return dp(noise_multiplier=SIGMA, accountant="gdp", seed=seed, privacy_journal=journal)
 
 
 def _die() -> None:
@@ -106,12 +106,12 @@ def _kill_during_next_save(half: bool) -> None:
         checkpoint_module.os.replace = no_rename  # type: ignore[attr-defined]
 
 
-def main(folder: str, kill_step: int, phase: str, seed: int) -> None:
+def main(folder: str, kill_step: int, phase: str, seed: int, journal: str | None = None) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     checkpoints = ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0, every_n_train_steps=1)
     trainer = make_trainer(
-        strategy(seed),
+        strategy(seed, journal),
         callbacks=[_Journal(folder, kill_step, phase), PrivacyBudget(budget()), checkpoints],
         enable_checkpointing=True,
         max_steps=50,

@@ -34,14 +34,14 @@ def _kill_point(seed: int) -> tuple[int, str]:
     return rng.randint(1, child.TOTAL), phase
 
 
-def _run_killed(folder: str, step: int, phase: str, seed: int) -> int:
+def _run_killed(folder: str, step: int, phase: str, seed: int, journal: str | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child: train until it kills itself; never return into pytest
         code = 3
         try:
-            child.main(folder, step, phase, seed)
+            child.main(folder, step, phase, seed, journal)
         except BaseException:  # noqa: B036
             code = 1
         os._exit(code)
@@ -91,6 +91,25 @@ def test_sigkill_anywhere_then_resume_keeps_the_epsilon_rule_and_the_total_steps
     eps = resumed.strategy.get_epsilon()
     assert eps == pytest.approx(reference.get_epsilon(delta=1 / (10 * child.N)), rel=1e-12)
     assert eps <= target
+
+
+@pytest.mark.parametrize(("phase", "charged"), [("after_update", 1), ("before_update", 1), ("training_step", 0)])
+def test_the_journal_charges_a_step_released_after_the_last_checkpoint(tmp_path, phase: str, charged: int) -> None:
+    journal, step = str(tmp_path / "journal"), 3
+    status = _run_killed(str(tmp_path), step, phase, seed=7, journal=journal)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    target = child.budget()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = make_trainer(child.strategy(8, journal), callbacks=[PrivacyBudget(target)], max_steps=50)
+        resumed.fit(TinyModule(), loader(make_dataset(child.N), child.BATCH), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert any("released after the checkpoint" in str(w.message) for w in caught) == bool(charged)
+    # Step 3's noisy gradient was released (and, after_update, applied) by the killed run: it is charged,
+    # so the budget stops the resumed run one update earlier, at the same ε.
+    assert resumed.strategy.steps == child.TOTAL and resumed.global_step == child.TOTAL - charged
+    reference = GaussianAccountant()
+    reference.history = [(child.SIGMA, child.Q, child.TOTAL)]
+    assert resumed.strategy.get_epsilon() == pytest.approx(reference.get_epsilon(delta=1 / (10 * child.N)))
 
 
 def test_atomic_save_leaves_the_old_file_when_the_write_fails(tmp_path) -> None:
