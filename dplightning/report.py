@@ -44,7 +44,6 @@ def privacy_report(checkpoint: dict[str, Any]) -> dict[str, Any]:
         match = stored == recomputed
     else:
         match = math.isclose(stored, recomputed, rel_tol=MATCH_RTOL, abs_tol=1e-12)
-    rows = int(state.get("rows_per_unit") or 1)
     recorded = state.get("versions") or {}
     now = library_versions()
     return {
@@ -56,9 +55,6 @@ def privacy_report(checkpoint: dict[str, Any]) -> dict[str, Any]:
         "step_releases": state.get("step_releases") or {},
         "clipping_engine": state.get("clipping_engine"),
         "layer_engines": state.get("layer_engines") or {},
-        "privacy_unit": "one training example (one row of the training split)"
-        if rows == 1
-        else f"one privacy unit of {rows} consecutive rows of the training split (dp_rows_per_unit={rows})",
         "world_size": state.get("world_size"),
         "secure_mode": state.get("secure_mode"),
         "seeded": state.get("seeded"),
