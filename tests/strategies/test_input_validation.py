@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +128,21 @@ def test_resuming_on_another_data_set_size_warns_and_accounts_the_new_q(tmp_path
     with pytest.warns(UserWarning, match=r"from N = 64 examples; now q = 0\.125 from N = 128"):
         resumed.fit(TinyModule(), loader(make_dataset(2 * N), BATCH), ckpt_path=ckpt)
     assert resumed.strategy.ledger.history == ((1.0, BATCH / N, 2), (1.0, BATCH / (2 * N), 1))
+
+
+def test_a_train_loader_rebuilt_every_epoch_is_poisson_sampled_every_epoch() -> None:
+    class Rebuilds(TinyModule):
+        def train_dataloader(self):
+            return DataLoader(make_dataset(N), batch_size=BATCH, sampler=SequentialSampler(range(N)))
+
+    samplers: list[str] = []
+
+    class Record(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            samplers.append(type(trainer.train_dataloader.batch_sampler).__name__)
+
+    trainer = make_trainer(dp(noise_multiplier=1.0), max_epochs=3, max_steps=-1,
+                           reload_dataloaders_every_n_epochs=1, callbacks=[Record()])  # fmt: skip
+    trainer.fit(Rebuilds())
+    assert samplers == ["PoissonBatchSampler"] * 3
+    assert trainer.strategy.ledger.history == ((1.0, BATCH / N, 3 * N // BATCH),)
