@@ -18,6 +18,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 
 from dplightning.callbacks import PrivacyBudget
 from dplightning.strategies._progress import NONFINITE_METRIC
+from dplightning.strategies.accounting import PrivacyAccounting
+from dplightning.strategies.config import DPConfig
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer, mlp, params_of
 from tests.reference import clipped_sum, per_example_grads
 
@@ -146,3 +148,16 @@ def test_a_train_loader_rebuilt_every_epoch_is_poisson_sampled_every_epoch() -> 
     trainer.fit(Rebuilds())
     assert samplers == ["PoissonBatchSampler"] * 3
     assert trainer.strategy.ledger.history == ((1.0, BATCH / N, 3 * N // BATCH),)
+
+
+def test_resuming_on_another_world_size_is_checked_like_another_batch_size() -> None:
+    # q = batch_size x world_size / N: a checkpoint of 2 ranks resumed on 1 halves q. Every rank runs
+    # this check (the accounting is rank-local and identical), here without spawning processes.
+    two_ranks = PrivacyAccounting(DPConfig(target_epsilon=1.0))
+    two_ranks.set_sampling(N, 2 * BATCH / N)
+    two_ranks.plan(8)
+    two_ranks.step()
+    one_rank = PrivacyAccounting(DPConfig(target_epsilon=1.0))
+    one_rank.load_state_dict(two_ranks.state_dict())
+    with pytest.raises(ValueError, match=r"another world size.*overspent"):
+        one_rank.set_sampling(N, BATCH / N)
