@@ -5,6 +5,8 @@ dplightning fit --config configs/quickstart.yaml --trainer.strategy.init_args.ta
 dplightning fit --trainer.strategy.help dplightning.DPStrategy    # the DP arguments
 dplightning export --ckpt run.ckpt --out exported/                 # Hugging Face folders with (ε, δ)
 dplightning memory-plan --config configs/finetune/opt-6.7b_lora.yaml --gpu-memory 80GB
+dplightning privacy-report run.ckpt [--json]                       # the checkpoint's privacy claim, recomputed
+dplightning audit --help                                           # empirical ε lower bound from canaries
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def build_cli(args: list[str] | None = None) -> DPLightningCLI:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``dplightning`` console script (and ``python -m dplightning.cli``).
 
-    ``export`` and ``memory-plan`` are commands of their own; everything else is LightningCLI's.
+    ``export``, ``memory-plan``, ``privacy-report`` and ``audit`` are commands of their own; everything
+    else is LightningCLI's.
     """
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] == "export":
@@ -67,10 +70,19 @@ def main(args: list[str] | None = None) -> None:
         from dplightning.planning.memory import main as plan_main
 
         sys.exit(plan_main(argv[1:]))
+    if argv and argv[0] == "privacy-report":
+        from dplightning.report import main as report_main
+
+        sys.exit(report_main(argv[1:]))
+    if argv and argv[0] == "audit":
+        from dplightning.audit import main as audit_main
+
+        sys.exit(audit_main(argv[1:]))
     if argv[:1] in (["-h"], ["--help"]):
         print(
             "dplightning also has: export --ckpt CKPT --out DIR (Hugging Face folders with the run's (ε, δ)) and "
-            "memory-plan --config CONFIG [--gpu-memory 80GB] (per-GPU memory of a DP step).\n"
+            "memory-plan --config CONFIG [--gpu-memory 80GB] (per-GPU memory of a DP step), privacy-report CKPT "
+            "[--json] (the checkpoint's privacy claim, ε recomputed) and audit (an empirical lower bound on ε).\n"
         )
     build_cli(args)
 

@@ -52,8 +52,15 @@ def privacy_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
         "max_grad_norm": state.get("max_grad_norm"),
         "clipping": state.get("clipping"),
         "poisson_sampling": poisson,
-        "privacy_unit": "one training example (one row of the training split)",
+        "privacy_unit": privacy_unit(int(state.get("rows_per_unit") or 1)),
     }
+
+
+def privacy_unit(rows_per_unit: int) -> str:
+    """What one privacy unit is, in words, for ``dp_rows_per_unit`` rows per unit."""
+    if rows_per_unit == 1:
+        return "one training example (one row of the training split)"
+    return f"one privacy unit of {rows_per_unit} consecutive rows of the training split (dp_rows_per_unit)"
 
 
 def load_module(checkpoint: dict[str, Any]) -> HFModule:

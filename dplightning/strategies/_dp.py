@@ -20,10 +20,13 @@ to its own submodules, so ``state_dict`` keys are unchanged.
 from __future__ import annotations
 
 import math
+import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import Strategy
@@ -44,9 +47,11 @@ from dplightning.privacy.grad_sample.validation import warn_on_batch_mean_loss
 from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise
 from dplightning.protocols import ShowsEpsilon
-from dplightning.strategies._progress import _EpsilonProgress
-from dplightning.strategies.accounting import PrivacyAccounting
+from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount
+from dplightning.strategies.accounting import PrivacyAccounting, library_versions
+from dplightning.strategies.checkpoint import atomic_save, is_local_path
 from dplightning.strategies.config import DPConfig
+from dplightning.strategies.journal import PrivacyJournal
 from dplightning.strategies.private_step import PrivateStep
 
 CHECKPOINT_KEY = "dplightning"
@@ -65,6 +70,11 @@ class _DPHooks(Strategy):
         self._closure_calls = 0
         self._extra_handles: list[Any] = []
         self._final_stats: tuple[list[MicroBatchStats], int] = ([], 0)  # kept after teardown
+        self._engines: dict[str, str] = {}  # layer -> engine, kept after teardown for the checkpoint
+        self._rows_per_unit = 1
+        self._run_id = uuid.uuid4().hex  # names this run's privacy journal; kept in its checkpoints
+        self._warned_nonfinite = False
+        self._nonfinite_seen = 0  # the count at the last release (examples are counted when clipped)
 
     # ------------------------------------------------------------------ public API
 
@@ -188,8 +198,25 @@ class _DPHooks(Strategy):
         return self.accounting.epsilon_bound(delta)
 
     def dp_state_dict(self) -> dict[str, Any]:
-        """Public privacy state for checkpoints (never any seed or generator state)."""
-        return self.accounting.state_dict()
+        """Public privacy state for checkpoints (never any seed or generator state).
+
+        Besides the accounting state it records what ``dplightning privacy-report`` shows: the
+        exact ε at the run's δ when the checkpoint was written, the engine of every layer, the
+        privacy unit, the world size, whether a test seed was used and the library versions.
+        """
+        state = self.accounting.state_dict()
+        delta = self.accounting.delta
+        state["epsilon"] = self.accounting.get_epsilon() if delta is not None else None
+        state["accountant"] = self.dp_config.accountant
+        state["secure_mode"] = self.dp_config.secure_mode
+        state["seeded"] = self.dp_config.seed is not None  # never the seed itself
+        state["world_size"] = self.world_size
+        state["rows_per_unit"] = self._rows_per_unit
+        state["layer_engines"] = dict(self._engines)
+        state["nonfinite_examples"] = self.nonfinite_examples
+        state["versions"] = library_versions()
+        state["run_id"] = self._run_id
+        return state
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -241,6 +268,11 @@ class _DPHooks(Strategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         checkpoint[CHECKPOINT_KEY] = self.dp_state_dict()
+        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local_path(filepath):
+            # Lightning's own local write is not atomic across filesystems (see strategies/checkpoint.py).
+            if self.is_global_zero:
+                atomic_save(checkpoint, filepath)
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -254,6 +286,12 @@ class _DPHooks(Strategy):
         super().on_train_end()
         if self.accounting.ledger.steps:
             rank_zero_info(self.accounting.report(self.dp_config.clipping_engine))
+        if self.nonfinite_examples:
+            warnings.warn(
+                f"{self.nonfinite_examples} example(s) of this run had a non-finite per-example gradient and "
+                "contributed zero to their step.",
+                stacklevel=2,
+            )
 
     @override
     def teardown(self) -> None:
@@ -304,16 +342,24 @@ class _DPHooks(Strategy):
         noise = GaussianNoise(self.dp_config.seed, rank=self.global_rank, secure_mode=self.dp_config.secure_mode)
         self.private_step = PrivateStep(self.dp_config, module, self.optimizers[0], noise)
         rank_zero_info(f"Per-example gradients, engine per layer:\n{self.private_step.summary()}")
+        assert self.private_step.hooks is not None
+        self._engines = {name: engine for name, _, _, engine in self.private_step.hooks.summary()}
+        self._rows_per_unit = _rows_per_unit(module)
         capturing = lambda: self.private_step is not None and self.private_step.hooks.capturing  # noqa: E731
         self._extra_handles = warn_on_batch_mean_loss(module, capturing)
+        self._nonfinite_seen, self._warned_nonfinite = 0, False
         self._restore_dp_state(trainer)
         if not any(isinstance(cb, ShowsEpsilon) and cb.shows_epsilon for cb in trainer.callbacks):
             trainer.callbacks.append(_EpsilonProgress())
+        if not any(isinstance(cb, _NonfiniteCount) for cb in trainer.callbacks):
+            trainer.callbacks.append(_NonfiniteCount())
 
     def _restore_dp_state(self, trainer: pl.Trainer) -> None:
         state, self._resume_state = self._resume_state, None
         if state is not None:
             self.accounting.load_state_dict(state)
+            self._run_id = state.get("run_id") or self._run_id
+            self._charge_journaled_steps()
         elif trainer.ckpt_path is not None:
             raise ValueError(
                 f"The checkpoint {trainer.ckpt_path} has no privacy ledger ('{CHECKPOINT_KEY}' entry): it was not "
@@ -321,18 +367,39 @@ class _DPHooks(Strategy):
                 "`model.load_state_dict(torch.load(path)['state_dict'])` and start a new run."
             )
 
+    def _journal(self) -> PrivacyJournal | None:
+        folder = self.dp_config.privacy_journal
+        return PrivacyJournal(folder, self._run_id) if folder is not None else None
+
+    def _charge_journaled_steps(self) -> None:
+        """Charge the steps a killed attempt released after the checkpoint (see strategies/journal.py)."""
+        journal = self._journal()
+        if journal is None:
+            return
+        # Rank 0 reads (the folder need not be shared); every rank charges the same steps.
+        lost = self.broadcast(journal.released_after(self.accounting.ledger.steps) if self.is_global_zero else None)
+        for sigma, q in lost:
+            self.accounting.ledger.step(sigma, q)
+        if lost:
+            rank_zero_warn(
+                f"The privacy journal {journal.path} holds {len(lost)} noisy step(s) released after the checkpoint "
+                "by the run that was killed; they are charged to the ledger too (ε covers them; global_step does not "
+                f"count them): now {self.accounting.ledger.steps} steps."
+            )
+
     # ------------------------------------------------------------------ data
 
     def _private_loader(self, trainer: pl.Trainer, dataloader: object) -> object:
         if not isinstance(dataloader, DataLoader):
             raise TypeError(f"DP training needs a torch DataLoader as train loader, got {type(dataloader).__name__}.")
-        n, batch_size = len(dataloader.dataset), dataloader.batch_size or 0  # type: ignore[arg-type]
+        if self.dp_config.poisson_sampling:
+            check_poisson_compatible(dataloader)  # before len(): an IterableDataset has none
+        n, batch_size = _dataset_size(dataloader), dataloader.batch_size or 0
         self._check_same_on_every_rank(dataloader, num_samples=n, batch_size=batch_size)
         q = batch_size * self.world_size / n
         if not self.dp_config.poisson_sampling:
             self.accounting.set_sampling(n, q)
             return dataloader
-        check_poisson_compatible(dataloader)
         self.accounting.set_sampling(n, q)
         loader = PoissonDataLoader.from_dataloader(
             dataloader,
@@ -448,6 +515,35 @@ class _DPHooks(Strategy):
         total = self.noise_std
         step.release(self._local_noise_std(total), total, self.expected_batch_size, self._bucket_reducer(), self.steps)
         self.accounting.step()
+        journal = self._journal()
+        if journal is not None and self.is_global_zero and self.accounting.ledger.history:
+            sigma, q, _ = self.accounting.ledger.history[-1]
+            journal.append(self.steps, sigma, q)  # durable before optimizer.step applies the update
+        seen, self._nonfinite_seen = self._nonfinite_seen, step.nonfinite_examples
+        if step.nonfinite_examples > seen and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            # Not rank_zero_warn: the rank that met the example says so. Later ones are only counted.
+            warnings.warn(
+                f"Step {self.steps}: {step.nonfinite_examples - seen} example(s) had a non-finite (NaN/inf) "
+                "per-example gradient (a NaN/inf loss or input); each contributed zero to the step, which stays "
+                "private and finite. The running count is strategy.nonfinite_examples and the logged metric "
+                f"'{NONFINITE_METRIC}' (raw, not private).",
+                stacklevel=2,
+            )
+
+
+def _dataset_size(dataloader: DataLoader) -> int:
+    """N of the train loader's dataset, refusing unsized and empty ones before any step."""
+    try:
+        n = len(dataloader.dataset)  # type: ignore[arg-type]
+    except TypeError as err:
+        raise TypeError(
+            f"DP training needs a dataset with a known size N (q = batch_size / N and δ depend on it); "
+            f"{type(dataloader.dataset).__name__} has no __len__. Use a map-style dataset."
+        ) from err
+    if n == 0:
+        raise ValueError("The train dataset is empty (N = 0): there is nothing to train on and q is undefined.")
+    return n
 
 
 def _rows_per_unit(module: nn.Module) -> int:

@@ -29,3 +29,23 @@ class _EpsilonProgress(Callback):
         logger = bool(trainer.loggers)
         eps = strategy.epsilon_bound()
         pl_module.log("epsilon", eps, on_step=True, on_epoch=False, prog_bar=True, logger=logger, rank_zero_only=True)
+
+
+NONFINITE_METRIC = "nonprivate/nonfinite_examples"
+"""Logged count of examples whose per-example gradient was not finite (raw, not private)."""
+
+
+class _NonfiniteCount(Callback):
+    """Logs :data:`NONFINITE_METRIC`, this rank's running count, once it is above zero (added by the strategies).
+
+    The count is a raw statistic of the training data (not noised): it sits under ``nonprivate/``
+    and must not be released with the model.
+    """
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        count = getattr(trainer.strategy, "nonfinite_examples", 0)
+        if count:
+            logger = bool(trainer.loggers)
+            pl_module.log(NONFINITE_METRIC, float(count), on_step=True, on_epoch=False, logger=logger)

@@ -9,6 +9,8 @@ subsampled Gaussian step per release.
 from __future__ import annotations
 
 import math
+import platform
+from importlib import metadata
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -21,6 +23,20 @@ from dplightning.privacy.accounting import (
     split_noise_multiplier,
 )
 from dplightning.strategies.config import DPConfig
+
+RECORDED_LIBRARIES = ("dplightning", "torch", "lightning", "opacus", "transformers", "peft")
+"""Libraries whose versions a checkpoint records (the accountant's numbers depend on opacus')."""
+
+
+def library_versions() -> dict[str, str | None]:
+    """Installed versions of :data:`RECORDED_LIBRARIES` and Python (``None`` if not installed)."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in RECORDED_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 class PrivacyAccounting:

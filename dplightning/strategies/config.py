@@ -54,6 +54,10 @@ _DOCS = {
     "bucket_cap_mb": "Size of the fp32 buckets that are noised (and, across processes, all-reduced).",
     "seed": "FOR TESTS ONLY. Noise and sampling seeds otherwise come from OS entropy (expanded per seed, rank and "
     "step); a seed lets whoever knows it subtract the noise.",
+    "privacy_journal": "Folder for a durable journal of the noisy steps (one fsynced line per step, written at the "
+    "release). On resume, steps that a killed attempt released after its last checkpoint are charged to the ledger "
+    "too, so ε also covers what was released from the weights between checkpoints (validation metrics, logs). "
+    "``None`` (default): the ledger covers the weights that checkpoints hold.",
     "noise_placement": '``"rank0"`` (default): rank 0 adds all the noise, so a test can regenerate it exactly; '
     '``"split"``: each rank adds N(0, (σΔ)²/W) from its own generator, which balances the work of drawing noise.',
 }
@@ -78,6 +82,7 @@ class DPConfig:
     bucket_cap_mb: float = 25.0
     seed: int | None = None
     noise_placement: Literal["rank0", "split"] = "rank0"
+    privacy_journal: str | None = None
 
     def __post_init__(self) -> None:
         self._check_noise()

@@ -1,0 +1,126 @@
+"""``dplightning privacy-report``: the privacy claim of a checkpoint, recomputed from its ledger.
+
+dplightning privacy-report lightning_logs/version_0/checkpoints/last.ckpt
+dplightning privacy-report run.ckpt --json
+
+prints (ε, δ), σ, q, the steps, the accountant, the clipping mode and the engine of every
+layer, the data-set size, the privacy unit and the library versions the checkpoint was
+written with; ε is recomputed from the recorded (σ, q, steps) history with the installed
+Opacus accountant and compared with the ε stored when the checkpoint was written. The exit
+status is 0 if they match, 1 if they do not, 2 if the file has no privacy ledger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dplightning.export import privacy_of
+from dplightning.strategies._dp import CHECKPOINT_KEY
+from dplightning.strategies.accounting import library_versions
+
+MATCH_RTOL = 1e-6
+"""Relative tolerance between the stored and the recomputed ε (the same accountant gives the same float)."""
+
+
+def privacy_report(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The privacy claim of a loaded checkpoint, with ε recomputed and checked against the stored one.
+
+    Raises:
+        ValueError: If the checkpoint has no privacy ledger.
+    """
+    claim = privacy_of(checkpoint)  # recomputes ε from the ledger
+    state = checkpoint[CHECKPOINT_KEY]
+    stored = state.get("epsilon")
+    recomputed = claim["epsilon"]
+    if stored is None:
+        match: bool | None = None  # written before ε was stored: nothing to compare
+    elif math.isinf(stored) or math.isinf(recomputed):
+        match = stored == recomputed
+    else:
+        match = math.isclose(stored, recomputed, rel_tol=MATCH_RTOL, abs_tol=1e-12)
+    recorded = state.get("versions") or {}
+    now = library_versions()
+    return {
+        **claim,
+        "epsilon_stored": stored,
+        "epsilon_matches": match,
+        "history": [list(segment) for segment in state["ledger"]["history"]],
+        "target_epsilon": state.get("target_epsilon"),
+        "step_releases": state.get("step_releases") or {},
+        "clipping_engine": state.get("clipping_engine"),
+        "layer_engines": state.get("layer_engines") or {},
+        "world_size": state.get("world_size"),
+        "secure_mode": state.get("secure_mode"),
+        "seeded": state.get("seeded"),
+        "nonfinite_examples": state.get("nonfinite_examples"),
+        "global_step": checkpoint.get("global_step"),
+        "versions": recorded,
+        "versions_now": {k: v for k, v in now.items() if recorded.get(k) != v} if recorded else now,
+    }
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """Load ``path`` on the CPU and return its :func:`privacy_report`."""
+    checkpoint = torch.load(str(path), map_location="cpu", weights_only=False)  # our own checkpoint format
+    return privacy_report(checkpoint)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "∞" if math.isinf(value) else f"{value:.6g}"
+    return "-" if value is None else str(value)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as aligned text lines."""
+    match = {True: "matches", False: "MISMATCH", None: "no stored ε to compare"}[report["epsilon_matches"]]
+    versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items()) or "not recorded"
+    changed = ", ".join(f"{k} {v}" for k, v in report["versions_now"].items())
+    engines = "; ".join(f"{layer}: {engine}" for layer, engine in report["layer_engines"].items()) or "not recorded"
+    rows = [
+        ("guarantee", f"(ε = {_fmt(report['epsilon'])}, δ = {report['delta']:.3g})"),
+        ("stored ε", f"{_fmt(report['epsilon_stored'])} ({match})"),
+        ("target ε", _fmt(report["target_epsilon"])),
+        ("accountant", report["accountant"]),
+        ("steps", f"{report['steps']} (global_step {_fmt(report['global_step'])})"),
+        ("history (σ, q, steps)", _fmt(report["history"])),
+        ("noise multiplier σ", _fmt(report["noise_multiplier"])),
+        ("step releases", _fmt(report["step_releases"] or "none")),
+        ("sample rate q", _fmt(report["sample_rate"])),
+        ("Poisson sampling", _fmt(report["poisson_sampling"])),
+        ("data-set size N", _fmt(report["num_samples"])),
+        ("privacy unit", report["privacy_unit"]),
+        ("clipping", f"{report['clipping']}, C = {_fmt(report['max_grad_norm'])}"),
+        ("clipping engine", f"{_fmt(report['clipping_engine'])} ({engines})"),
+        ("world size", _fmt(report["world_size"])),
+        ("secure mode / test seed", f"{_fmt(report['secure_mode'])} / {_fmt(report['seeded'])}"),
+        ("non-finite examples", f"{_fmt(report['nonfinite_examples'])} (contributed zero)"),
+        ("recorded versions", versions),
+        ("installed now", changed or "the same"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``dplightning privacy-report``."""
+    parser = argparse.ArgumentParser(prog="dplightning privacy-report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="A checkpoint written by a dplightning DP strategy.")
+    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    args = parser.parse_args(argv)
+    try:
+        report = load_report(args.checkpoint)
+    except ValueError as err:
+        print(f"{args.checkpoint}: {err}")
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2, default=str, allow_nan=True))
+    else:
+        print(format_report(report))
+    return 0 if report["epsilon_matches"] is not False else 1
