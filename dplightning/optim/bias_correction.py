@@ -90,6 +90,7 @@ def orthogonalize(
     probe_pairs: int = 1,
     max_noise_ratio: float | None = 0.5,
     ns_dtype: torch.dtype | None = None,
+    bc_dtype: torch.dtype = torch.float32,
     **ns_kwargs: object,
 ) -> Orthogonalized:
     """NS of every matrix, with DP-MuonBC where asked and the guard allows; batched per shape.
@@ -103,7 +104,9 @@ def orthogonalize(
         probe_pairs: Antithetic pairs averaged per matrix.
         max_noise_ratio: The guard r_max: plain NS where r̂ > r_max (``None``: never skip).
         ns_dtype: Precision of plain NS (default :func:`default_ns_dtype`); the three calls of a
-            corrected matrix run in fp32, since bf16 rounding swamps the O(τ²) correction.
+            corrected matrix run in ``bc_dtype``.
+        bc_dtype: Precision of the corrected matrices' NS calls: fp32 by default, since bf16
+            rounding swamps the O(τ²) correction (``benchmarks/muon_bias_validation.py``).
         **ns_kwargs: Passed to :func:`~dplightning.optim.newton_schulz.newton_schulz`.
     """
     if probe_scale <= 0 or probe_pairs < 1:
@@ -124,7 +127,8 @@ def orthogonalize(
         if not bc:
             result = newton_schulz(U, dtype=ns_dtype or default_ns_dtype(device), **ns_kwargs).float()  # type: ignore[arg-type]
         else:
-            result = _corrected(U, [taus[i] for i in indices], generator, probe_scale, probe_pairs, ns_kwargs)
+            taus_here = [taus[i] for i in indices]
+            result = _corrected(U, taus_here, generator, probe_scale, probe_pairs, bc_dtype, ns_kwargs)
         for i, r in zip(indices, result.unbind(0)):
             outputs[i] = r
     return Orthogonalized(outputs, ratios, corrected)  # type: ignore[arg-type]
@@ -136,14 +140,15 @@ def _corrected(
     generator: torch.Generator | None,
     probe_scale: float,
     pairs: int,
+    dtype: torch.dtype,
     ns_kwargs: dict[str, object],
 ) -> Tensor:
     k = U.shape[0]
     Z = torch.randn((pairs, *U.shape), generator=generator, device=U.device, dtype=torch.float32)
     rho = (probe_scale * torch.tensor(taus, device=U.device, dtype=torch.float32)).view(1, k, 1, 1)
-    # One batched fp32 call for f(U) and every f(U ± ρZ).
+    # One batched call for f(U) and every f(U ± ρZ).
     stacked = torch.cat([U, (U + rho * Z).flatten(0, 1), (U - rho * Z).flatten(0, 1)])
-    f = newton_schulz(stacked, dtype=torch.float32, **ns_kwargs)  # type: ignore[arg-type]
+    f = newton_schulz(stacked, dtype=dtype, **ns_kwargs).float()  # type: ignore[arg-type]
     plain, plus, minus = f[:k], f[k : k + pairs * k], f[k + pairs * k :]
     probe = 0.5 * (plus + minus).view(pairs, *U.shape).mean(0)
     lam = 1.0 / probe_scale**2
