@@ -111,9 +111,13 @@ def orthogonalize(
     """
     if probe_scale <= 0 or probe_pairs < 1:
         raise ValueError(f"probe_scale must be > 0 and probe_pairs >= 1, got {probe_scale} and {probe_pairs}.")
-    ratios, corrected = [], []
-    for U, tau in zip(matrices, taus, strict=True):
-        norm = float(torch.linalg.matrix_norm(U.float()))
+    if len(matrices) != len(taus):
+        raise ValueError(f"Got {len(matrices)} matrices but {len(taus)} noise stds.")
+    ratios: list[float] = []
+    corrected: list[bool] = []
+    # One host sync for all the norms (the guard is a host-side decision).
+    norms = torch.stack([torch.linalg.matrix_norm(U.float()) for U in matrices]).tolist() if matrices else []
+    for U, tau, norm in zip(matrices, taus, norms):
         ratio = tau * math.sqrt(U.numel()) / norm if tau > 0 and norm > 0 else 0.0
         ratios.append(ratio)
         # τ = 0 (or U = 0) has nothing to correct, and λ = τ²/ρ² would be 0/0.

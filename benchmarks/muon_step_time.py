@@ -1,0 +1,136 @@
+"""Step time of DP-Muon and DP-MuonBC relative to DP-Adam, side by side in one run.
+
+The small GPT-2 of ``configs/finetune/e2e_gpt2_small_cpu.yaml`` on E2E, each arm that config
+plus its ``configs/muon/`` overlay, σ = 1 fixed and the strategy's seed fixed, so that every arm
+trains on the same Poisson batches from the same initial weights. Arms are interleaved within
+each repeat. Per step: wall time (``perf_counter``) and this process's CPU time
+(``process_time``, less sensitive to other jobs on a shared machine), both from one
+``on_train_batch_start`` to the next, and the optimizer's own update (``step`` minus its
+closure, where the per-example gradients, clipping and noise happen). Targets (issue 11):
+DP-Muon ≤ 1.15x and DP-MuonBC ≤ 1.5x DP-Adam.
+
+    OMP_NUM_THREADS=1 /work/heavy .venv/bin/python benchmarks/muon_step_time.py \\
+        --out benchmarks/results/muon_step_time_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+ARMS = {"DP-Adam": "dpadam", "DP-Muon": "dpmuon", "DP-MuonBC": "dpmuonbc"}
+BASE = "configs/finetune/e2e_gpt2_small_cpu.yaml"
+
+
+class Clock(pl.Callback):
+    """Wall and CPU time between step starts, and the time inside ``optimizer.step`` after its closure."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.update: list[float] = []
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        opt = trainer.optimizers[0]
+        step = opt.step
+
+        def timed(closure: Any = None, **kwargs: Any) -> Any:
+            spent = [0.0]
+
+            def inner() -> Any:
+                t = time.process_time()
+                out = closure()
+                spent[0] += time.process_time() - t
+                return out
+
+            start = time.process_time()
+            out = step(closure=inner if closure is not None else None, **kwargs)
+            self.update.append(time.process_time() - start - spent[0])
+            return out
+
+        opt.step = timed  # type: ignore[method-assign]
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, i: int) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        if len(self.wall) > self.steps:
+            trainer.should_stop = True
+
+
+def measure(arm: str, steps: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    from dplightning.cli import DPLightningCLI
+
+    cli = DPLightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        save_config_callback=None,
+        args=[
+            "--config",
+            BASE,
+            "--config",
+            f"configs/muon/e2e_gpt2_small_cpu_{ARMS[arm]}.yaml",
+            "--seed_everything=0",
+            "--trainer.strategy.init_args.target_epsilon=null",
+            "--trainer.strategy.init_args.noise_multiplier=1.0",
+            "--trainer.strategy.init_args.seed=0",  # the same Poisson batches for every arm
+            f"--trainer.max_steps={steps + 1}",
+            "--trainer.limit_val_batches=0",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            f"--trainer.default_root_dir={args.root}",
+            f"--data.init_args.batch_size={args.batch_size}",
+            f"--data.init_args.tokenizer_dir={Path(args.root) / 'tokenizer'}",
+        ],
+    )
+    clock = Clock(steps)
+    cli.trainer.callbacks.append(clock)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    gaps = lambda xs: [1e3 * (b - a) for a, b in zip(xs, xs[1:])]  # noqa: E731
+    return {"wall_ms": gaps(clock.wall), "cpu_ms": gaps(clock.cpu), "update_ms": [1e3 * u for u in clock.update]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--root", default="lightning_logs/muon_step_time")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pooled: dict[str, dict[str, list[float]]] = {arm: {"wall_ms": [], "cpu_ms": [], "update_ms": []} for arm in ARMS}
+    for _ in range(args.repeats):
+        for arm in ARMS:  # interleaved: drifts in the machine's load hit every arm alike
+            times = measure(arm, args.warmup + args.steps, args)
+            for key, values in times.items():
+                pooled[arm][key] += values[args.warmup :]
+    med = {arm: {k: statistics.median(v) for k, v in t.items()} for arm, t in pooled.items()}
+    print(f"small GPT-2, E2E, batch {args.batch_size} (Poisson), {args.repeats} x {args.steps} steps, 1 thread")
+    print("arm         wall ms   CPU ms   update ms   CPU / DP-Adam   wall / DP-Adam")
+    for arm, m in med.items():
+        ratio_cpu, ratio_wall = m["cpu_ms"] / med["DP-Adam"]["cpu_ms"], m["wall_ms"] / med["DP-Adam"]["wall_ms"]
+        print(
+            f"{arm:10s} {m['wall_ms']:8.0f} {m['cpu_ms']:8.0f} {m['update_ms']:11.1f}   x{ratio_cpu:.3f}"
+            f"          x{ratio_wall:.3f}"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "median": med, "pooled": pooled}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
