@@ -27,6 +27,22 @@ import torch
 
 BASE = "configs/finetune/e2e_gpt2_small_cpu.yaml"
 ARMS = {"DP-SGD": "dpsgd", "DP-Adam": "dpadam", "DP-Muon": "dpmuon", "DP-MuonBC": "dpmuonbc"}
+# Not run by default: spec V4 arm 5 (BC on every matrix), and a 5x larger AdamW lr (DP-Adam's, and that of
+# DP-Muon's non-matrix parameters), with Muon's default lr and a quarter of it.
+_OPT = "--model.init_args.optimizer.init_args"
+EXTRA_ARMS = {
+    "DP-MuonBC no guard": "dpmuonbc",
+    "DP-Adam lr 0.01": "dpadam",
+    "DP-Muon adam_lr 0.01": "dpmuon",
+    "DP-Muon lr 0.005 adam_lr 0.01": "dpmuon",
+}
+EXTRA_ARGS = {
+    "DP-MuonBC no guard": [f"{_OPT}.max_noise_ratio=null"],
+    "DP-Adam lr 0.01": [f"{_OPT}.lr=0.01"],
+    "DP-Muon adam_lr 0.01": [f"{_OPT}.adam_lr=0.01"],
+    "DP-Muon lr 0.005 adam_lr 0.01": [f"{_OPT}.adam_lr=0.01", f"{_OPT}.lr=0.005"],
+}
+ALL_ARMS = {**ARMS, **EXTRA_ARMS}
 
 
 class Curve(pl.Callback):
@@ -101,7 +117,7 @@ def run_one(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             "--config",
             BASE,
             "--config",
-            f"configs/muon/e2e_gpt2_small_cpu_{ARMS[arm]}.yaml",
+            f"configs/muon/e2e_gpt2_small_cpu_{ALL_ARMS[arm]}.yaml",
             f"--seed_everything={seed}",
             f"--trainer.max_steps={args.steps}",
             f"--trainer.val_check_interval={args.eval_every}",
@@ -110,9 +126,10 @@ def run_one(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false",
             "--trainer.inference_mode=false",  # the step-0 validate would leave inference tensors in the metrics
-            f"--trainer.default_root_dir={root / f'{ARMS[arm]}_seed{seed}'}",
+            f"--trainer.default_root_dir={root / f'{_slug(arm)}_seed{seed}'}",
             f"--data.init_args.batch_size={args.batch_size}",
             f"--data.init_args.tokenizer_dir={root / 'tokenizer'}",
+            *EXTRA_ARGS.get(arm, []),
         ],
     )
     curve = Curve()
@@ -147,9 +164,13 @@ def run_one(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _slug(arm: str) -> str:
+    return ALL_ARMS[arm] + "".join("_" + a.split(f"{_OPT}.")[1].replace("=", "") for a in EXTRA_ARGS.get(arm, []))
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     table: dict[str, dict[str, Any]] = {}
-    for arm in ARMS:
+    for arm in ALL_ARMS:
         mine = [r for r in runs if r["arm"] == arm]
         if not mine:
             continue
@@ -168,7 +189,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for arm in ARMS:
+    for arm in ALL_ARMS:
         mine = [r for r in runs if r["arm"] == arm]
         if not mine:
             continue
@@ -187,12 +208,13 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ALL_ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--root", default="lightning_logs/muon_e2e")
+    parser.add_argument("--reuse", action="store_true", help="load the runs already in --root instead of rerunning")
     parser.add_argument("--out", default=None)
     parser.add_argument("--figure", default=None)
     parser.add_argument("--one", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
@@ -205,12 +227,13 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     for seed in args.seeds:  # seeds outermost: a partial result still compares every arm
         for arm in args.arms:
-            part = Path(args.root) / f"{ARMS[arm]}_seed{seed}.json"
+            part = Path(args.root) / f"{_slug(arm)}_seed{seed}.json"
             part.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, __file__, "--one", arm, str(seed), "--one-out", str(part)]
-            cmd += ["--steps", str(args.steps), "--batch-size", str(args.batch_size)]
-            cmd += ["--eval-every", str(args.eval_every), "--root", args.root]
-            subprocess.run(cmd, check=True)
+            if not (args.reuse and part.exists()):
+                cmd = [sys.executable, __file__, "--one", arm, str(seed), "--one-out", str(part)]
+                cmd += ["--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+                cmd += ["--eval-every", str(args.eval_every), "--root", args.root]
+                subprocess.run(cmd, check=True)
             runs.append(json.loads(part.read_text()))
             r = runs[-1]
             print(
