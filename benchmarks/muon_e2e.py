@@ -36,8 +36,10 @@ EXTRA_ARMS = {
     "DP-Muon adam_lr 0.01": "dpmuon",
     "DP-Muon lr 0.005 adam_lr 0.01": "dpmuon",
 }
+# A null cannot be given as a command-line override of a callable's argument (jsonargparse), hence a YAML overlay.
+NO_GUARD_YAML = "model:\n  init_args:\n    optimizer:\n      init_args:\n        max_noise_ratio: null\n"
 EXTRA_ARGS = {
-    "DP-MuonBC no guard": [f"{_OPT}.max_noise_ratio=null"],
+    "DP-MuonBC no guard": ["--config", "{root}/no_guard.yaml"],
     "DP-Adam lr 0.01": [f"{_OPT}.lr=0.01"],
     "DP-Muon adam_lr 0.01": [f"{_OPT}.adam_lr=0.01"],
     "DP-Muon lr 0.005 adam_lr 0.01": [f"{_OPT}.adam_lr=0.01", f"{_OPT}.lr=0.005"],
@@ -106,6 +108,7 @@ def run_one(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     root = Path(args.root)
+    (root / "no_guard.yaml").write_text(NO_GUARD_YAML)
     cli = DPLightningCLI(
         LightningModule,
         LightningDataModule,
@@ -129,7 +132,7 @@ def run_one(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             f"--trainer.default_root_dir={root / f'{_slug(arm)}_seed{seed}'}",
             f"--data.init_args.batch_size={args.batch_size}",
             f"--data.init_args.tokenizer_dir={root / 'tokenizer'}",
-            *EXTRA_ARGS.get(arm, []),
+            *[a.format(root=root) for a in EXTRA_ARGS.get(arm, [])],
         ],
     )
     curve = Curve()
@@ -165,7 +168,13 @@ def run_one(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _slug(arm: str) -> str:
-    return ALL_ARMS[arm] + "".join("_" + a.split(f"{_OPT}.")[1].replace("=", "") for a in EXTRA_ARGS.get(arm, []))
+    suffix = {
+        "DP-MuonBC no guard": "_noguard",
+        "DP-Adam lr 0.01": "_lr0.01",
+        "DP-Muon adam_lr 0.01": "_adam_lr0.01",
+        "DP-Muon lr 0.005 adam_lr 0.01": "_adam_lr0.01_lr0.005",
+    }
+    return ALL_ARMS[arm] + suffix.get(arm, "")
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

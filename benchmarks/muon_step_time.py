@@ -26,7 +26,9 @@ import lightning.pytorch as pl
 import torch
 
 ARMS = {"DP-Adam": "dpadam", "DP-Muon": "dpmuon", "DP-MuonBC": "dpmuonbc", "DP-MuonBC no guard": "dpmuonbc"}
-EXTRA = {"DP-MuonBC no guard": ["--model.init_args.optimizer.init_args.max_noise_ratio=null"]}  # BC on every matrix
+# BC on every matrix. A null cannot be a command-line override of a callable's argument (jsonargparse): a YAML overlay.
+NO_GUARD_YAML = "model:\n  init_args:\n    optimizer:\n      init_args:\n        max_noise_ratio: null\n"
+EXTRA = {"DP-MuonBC no guard": ["--config", "{root}/no_guard.yaml"]}
 BASE = "configs/finetune/e2e_gpt2_small_cpu.yaml"
 
 
@@ -99,7 +101,7 @@ def measure(arm: str, steps: int, args: argparse.Namespace) -> dict[str, list[fl
             f"--trainer.default_root_dir={args.root}",
             f"--data.init_args.batch_size={args.batch_size}",
             f"--data.init_args.tokenizer_dir={Path(args.root) / 'tokenizer'}",
-            *EXTRA.get(arm, []),
+            *[a.format(root=args.root) for a in EXTRA.get(arm, [])],
         ],
     )
     clock = Clock(steps)
@@ -126,6 +128,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    Path(args.root).mkdir(parents=True, exist_ok=True)
+    (Path(args.root) / "no_guard.yaml").write_text(NO_GUARD_YAML)
     keys = ("wall_ms", "cpu_ms", "update_ms", "corrected")
     pooled: dict[str, dict[str, list[float]]] = {arm: {k: [] for k in keys} for arm in ARMS}
     for _ in range(args.repeats):
