@@ -118,6 +118,46 @@ def measure(arm: str, steps: int, args: argparse.Namespace) -> dict[str, list[fl
     }
 
 
+def update_only(repeats: int, steps: int, warmup: int) -> dict[str, Any]:
+    """CPU ms of ``optimizer.step`` alone on the config's GPT-2 parameters, from synthetic releases (no DP step)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from dplightning.optim import DPMuon
+    from dplightning.protocols import DPRelease
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=128, n_positions=160, vocab_size=2048)  # as the CPU config
+    named = list(AutoModelForCausalLM.from_config(config).named_parameters())
+    params = [p for _, p in named]
+    g = torch.Generator().manual_seed(1)
+    grads = [[1e-3 * torch.randn(p.shape, generator=g) for p in params] for _ in range(4)]
+    kinds = {
+        "AdamW": lambda: torch.optim.AdamW(params, lr=2e-3),
+        "DPMuon": lambda: DPMuon(params),
+        "DPMuon BC": lambda: DPMuon(params, bias_correction=True),
+        "DPMuon BC no guard": lambda: DPMuon(params, bias_correction=True, max_noise_ratio=None),
+    }
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    applied: dict[str, list[int]] = {}
+    for _ in range(repeats):
+        for kind, make in kinds.items():
+            opt = make()
+            if isinstance(opt, DPMuon):
+                opt.dp_plan(named, 0.1)
+            for k in range(warmup + steps):
+                for p, grad in zip(params, grads[k % 4]):
+                    p.grad = grad
+                if isinstance(opt, DPMuon):
+                    opt.dp_release(DPRelease(dict(zip(params, grads[k % 4])), 7e-4, [], k))
+                start = time.process_time()
+                opt.step()
+                if k >= warmup:
+                    times[kind].append(1e3 * (time.process_time() - start))
+            if isinstance(opt, DPMuon):
+                applied[kind] = [*opt.corrected_fraction]
+    return {"median_ms": {k: statistics.median(v) for k, v in times.items()}, "bc_applied": applied}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
@@ -126,8 +166,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--root", default="lightning_logs/muon_step_time")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--update-only", action="store_true", help="time optimizer.step alone on synthetic releases (about 30 s)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.update_only:
+        result = update_only(3, 10, 2)
+        for kind, ms in result["median_ms"].items():
+            print(f"{kind:20s} {ms:6.1f} ms  BC applied on {result['bc_applied'].get(kind, '-')} matrix-steps")
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return
     Path(args.root).mkdir(parents=True, exist_ok=True)
     (Path(args.root) / "no_guard.yaml").write_text(NO_GUARD_YAML)
     keys = ("wall_ms", "cpu_ms", "update_ms", "corrected")
