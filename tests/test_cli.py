@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 import dplightning
 from dplightning.cli import build_cli
@@ -12,7 +13,11 @@ from dplightning.cli import build_cli
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 OVERLAYS = sorted((CONFIG_DIR / "cluster").glob("*.yaml"))  # trainer-only files, combined with a task config
 MODEL_OVERLAYS = {CONFIG_DIR / "finetune" / "lora_encoder.yaml": CONFIG_DIR / "finetune" / "sst2_minilm.yaml"}
-CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - set(OVERLAYS) - set(MODEL_OVERLAYS))
+# configs/muon/<task>_<optimizer>.yaml switches the optimizer of configs/finetune/<task>.yaml.
+OPTIMIZER_OVERLAYS = {
+    c: CONFIG_DIR / "finetune" / f"{c.stem.rsplit('_', 1)[0]}.yaml" for c in sorted(CONFIG_DIR.glob("muon/*.yaml"))
+}
+CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - set(OVERLAYS) - set(MODEL_OVERLAYS) - set(OPTIMIZER_OVERLAYS))
 QUICKSTART = CONFIG_DIR / "quickstart.yaml"
 
 
@@ -39,6 +44,17 @@ def test_model_overlays_combine_with_their_task_config(overlay: Path, capsys: py
         build_cli(["fit", "--config", str(MODEL_OVERLAYS[overlay]), "--config", str(overlay), "--print_config"])
     assert exit_info.value.code == 0
     assert "lora:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overlay", list(OPTIMIZER_OVERLAYS), ids=[c.name for c in OPTIMIZER_OVERLAYS])
+def test_optimizer_overlays_switch_only_the_optimizer(overlay: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    content = yaml.safe_load(overlay.read_text())
+    assert list(content) == ["model"] and list(content["model"]) == ["init_args"]
+    assert list(content["model"]["init_args"]) == ["optimizer"]
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(["fit", "--config", str(OPTIMIZER_OVERLAYS[overlay]), "--config", str(overlay), "--print_config"])
+    assert exit_info.value.code == 0
+    assert f"class_path: {content['model']['init_args']['optimizer']['class_path']}" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -1,0 +1,1 @@
+from dplightning.optim.muon import DPMuon as DPMuon  # noqa: F401
