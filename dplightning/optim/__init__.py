@@ -1,0 +1,3 @@
+"""Optimizers with DP plans: they declare what the DP strategy clips, noises and releases for them."""
+
+from dplightning.optim.grape import DPGrape as DPGrape
