@@ -80,7 +80,8 @@ def main() -> None:
     print(f"{'arm':<10}{'lr':>8}{'rank':>6}{'steps':>7}{'ε':>6}{'runs':>6}{'mean acc':>10}{'sd':>8}")
     for (arm, lr, rank, steps, eps), accs in groups.items():
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        print(f"{arm:<10}{lr:>8.4g}{rank or '-':>6}{steps:>7}{eps:>6}{len(accs):>6}{statistics.fmean(accs):>10.4f}{sd:>8.4f}")
+        mean = statistics.fmean(accs)
+        print(f"{arm:<10}{lr:>8.4g}{rank or '-':>6}{steps:>7}{eps:>6}{len(accs):>6}{mean:>10.4f}{sd:>8.4f}")
 
 
 if __name__ == "__main__":

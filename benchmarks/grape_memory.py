@@ -72,7 +72,8 @@ class _Encoder(nn.Module):
 
         super().__init__()
         fields = dict(config)
-        self.model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+        config_ = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        self.model = AutoModelForSequenceClassification.from_config(config_)
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
@@ -150,7 +151,8 @@ def peak_memory(model: str, runner: str, batch: int, rank: int, steps: int) -> d
         trace = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] == 0]
+    cpu = [e for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] == 0]
+    totals = [e["args"]["Total Allocated"] for e in cpu]
     params = sum(p.numel() for p in module.parameters())
     return {"peak_mib": max(totals) / 2**20, "params": params, "foreign_cpu_pct": 0.0}
 
@@ -161,7 +163,8 @@ def step_time(model: str, runner: str, batch: int, rank: int, steps: int, warmup
 
     def train() -> tuple[StepClock, int]:
         clock = StepClock(warmup + steps)
-        _trainer(runner, warmup + steps + 1, [clock]).fit(_build(model, runner, rank), _data(model, batch, warmup + steps))
+        trainer = _trainer(runner, warmup + steps + 1, [clock])
+        trainer.fit(_build(model, runner, rank), _data(model, batch, warmup + steps))
         return clock, warmup
 
     return measured(train)
@@ -224,11 +227,14 @@ def main() -> None:
 
 def _print_table(model: str, rows: dict[str, Any], args: argparse.Namespace) -> None:
     base = rows.get("dp-adam")
-    head = f"| {model} runner | peak MiB (B={args.batch}) | vs DP-Adam | step ms | vs DP-Adam | largest B in {args.budget_mib:.0f} MiB |"
+    head = f"| {model} runner | peak MiB (B={args.batch}) | vs DP-Adam | step ms | vs DP-Adam | "
+    head += f"largest B in {args.budget_mib:.0f} MiB |"
     print(head + "\n|" + "---|" * 6)
     for runner, r in rows.items():
         peak, ms = r["peak_mib"][str(args.batch)], r["median_step_ms"]
-        rel = (f"{peak / base['peak_mib'][str(args.batch)]:.2f}x", f"{ms / base['median_step_ms']:.2f}x") if base else ("", "")
+        rel = ("", "")
+        if base:
+            rel = (f"{peak / base['peak_mib'][str(args.batch)]:.2f}x", f"{ms / base['median_step_ms']:.2f}x")
         print(f"| {runner} | {peak:.1f} | {rel[0]} | {ms:.0f} | {rel[1]} | {r['largest_batch_in_budget']} |")
 
 

@@ -5,4 +5,12 @@ from dplightning.models.dit_ts import TimeSeriesDiT
 from dplightning.models.hf_vision import HFImageClassifier
 from dplightning.models.small import MLP, SmallCNN
 
-__all__ = ["MLP", "AdaLNFinalLayer", "AdaLNZeroBlock", "HFImageClassifier", "ModulationBounds", "SmallCNN", "TimeSeriesDiT"]
+__all__ = [
+    "MLP",
+    "AdaLNFinalLayer",
+    "AdaLNZeroBlock",
+    "HFImageClassifier",
+    "ModulationBounds",
+    "SmallCNN",
+    "TimeSeriesDiT",
+]
