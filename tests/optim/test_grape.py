@@ -298,3 +298,26 @@ def test_default_selection_on_a_hf_vit_keeps_embeddings_head_and_norms_full() ->
     projected = {proj.name for proj in opt.projections.values()}
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert projected == linears - {"classifier.weight"} and len(projected) == 6  # q, k, v, out, fc1, fc2
+
+
+def test_resume_from_a_checkpoint_continues_the_projection_schedule(tmp_path) -> None:
+    """The step count (hence P) comes back with the optimizer state: a resumed run uses the P of its step."""
+    data = DataLoader(make_dataset(N), batch_size=N)
+
+    def grape(params) -> DPGrape:
+        return DPGrape(params, lr=0.01, rank=RANK, refresh_every=2)
+
+    torch.manual_seed(0)
+    first = TinyModule(net=_square_net(), optimizer=grape)
+    trainer = make_trainer(dp(noise_multiplier=0.5, seed=3), max_steps=3)
+    trainer.fit(first, data)
+    trainer.save_checkpoint(tmp_path / "grape.ckpt")
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    resumed = TinyModule(net=_square_net(), optimizer=grape)
+    make_trainer(dp(noise_multiplier=0.5, seed=3), max_steps=5).fit(resumed, data, ckpt_path=tmp_path / "grape.ckpt")
+    opt_a, opt_b = first.trainer.optimizers[0], resumed.trainer.optimizers[0]
+    assert (opt_a.steps, opt_b.steps, opt_b.refresh_index) == (3, 5, 2)
+    cpu = torch.device("cpu")
+    opt_a.param_groups[0]["dp_grape_steps"] = 5
+    for p_a, p_b in zip(opt_a.projections.values(), opt_b.projections.values()):
+        assert torch.equal(p_a.matrix(cpu), p_b.matrix(cpu))
