@@ -17,6 +17,9 @@ Runners, all through ``Trainer.fit`` with the same AdamW hyperparameters:
   book-keeping / ghost norms where they pay, so per-example weight gradients are *not* formed);
 * ``dp-adam-inst``: the same with ``clipping_engine="instantiate"``: every per-example gradient
   formed, as Opacus' hooks store them (the storage of the issue's "DP-Adam (Opacus hooks)");
+* ``opacus-hooks``: Opacus 1.6 ``make_private`` (hooks mode: per-example gradients stored on every
+  parameter) driving a plain loop with ``torch.optim.AdamW``; ViT's embeddings get dplightning's
+  sampler, as in ``engines.py`` (Opacus has none);
 * ``dp-grape``: ``DPStrategy`` with ``dplightning.optim.DPGrape`` (``--rank``, T = 100).
 
 Every DP runner: σ = 1, C = 1, flat clipping, ``poisson_sampling=False`` (every batch has exactly
@@ -53,7 +56,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "grape_memory_cpu.json"
-RUNNERS = ("adam", "dp-adam", "dp-adam-inst", "dp-grape")
+RUNNERS = ("adam", "dp-adam", "dp-adam-inst", "opacus-hooks", "dp-grape")
 MODELS = {
     "vit": dict(model_type="vit", image_size=32, patch_size=4, num_channels=3, hidden_size=256, num_hidden_layers=6,
                 num_attention_heads=4, intermediate_size=1024, num_labels=10, hidden_dropout_prob=0.0,
@@ -139,14 +142,41 @@ def _quiet() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
 
+def _opacus_fit(module: _Classifier, loader: DataLoader, clock: StepClock) -> None:
+    import opacus
+    from engines import _register_vit_sampler_with_opacus
+
+    _register_vit_sampler_with_opacus()
+    net, opt = module.net, torch.optim.AdamW(module.net.parameters(), **HYPER)
+    engine = opacus.PrivacyEngine(accountant="prv")
+    net, opt, loader = engine.make_private(
+        module=net, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False
+    )
+    for x, y in loader:
+        if clock.tick(len(x)):
+            break
+        opt.zero_grad(set_to_none=True)
+        (F.cross_entropy(net(x), y, reduction="sum") / max(len(y), 1)).backward()
+        opt.step()
+
+
+def _fit(model: str, runner: str, batch: int, rank: int, steps: int, clock: StepClock | None = None) -> _Classifier:
+    module = _build(model, runner, rank)
+    data = _data(model, batch, steps)
+    if runner == "opacus-hooks":
+        _opacus_fit(module, data, clock or StepClock(steps))
+    else:
+        _trainer(runner, steps + (clock is not None), [clock] if clock else []).fit(module, data)
+    return module
+
+
 def peak_memory(model: str, runner: str, batch: int, rank: int, steps: int) -> dict[str, Any]:
     """Peak live CPU tensor bytes of ``steps`` steps (this process), by the profiler's memory events."""
     from torch.profiler import ProfilerActivity, profile
 
     _quiet()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        module = _build(model, runner, rank)
-        _trainer(runner, steps, []).fit(module, _data(model, batch, steps))
+        module = _fit(model, runner, batch, rank, steps)
     with tempfile.TemporaryDirectory() as folder:
         trace = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(trace))
@@ -163,8 +193,7 @@ def step_time(model: str, runner: str, batch: int, rank: int, steps: int, warmup
 
     def train() -> tuple[StepClock, int]:
         clock = StepClock(warmup + steps)
-        trainer = _trainer(runner, warmup + steps + 1, [clock])
-        trainer.fit(_build(model, runner, rank), _data(model, batch, warmup + steps))
+        _fit(model, runner, batch, rank, warmup + steps, clock)
         return clock, warmup
 
     return measured(train)
