@@ -252,7 +252,7 @@ def main() -> None:
                   flush=True)  # fmt: skip
         results[model] = rows
         _print_table(model, rows, args)
-    write_report(args.out, "grape_memory", 1, vars(args) | {"models": args.models}, results=results)
+        write_report(args.out, "grape_memory", 1, vars(args), results=results)  # after each model
 
 
 def _print_table(model: str, rows: dict[str, Any], args: argparse.Namespace) -> None:
