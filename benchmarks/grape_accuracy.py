@@ -50,6 +50,7 @@ def run_arm(name: str, seed: int, epochs: int, epsilon: float, lr: float | None,
         "arm": name, "seed": seed, "test_acc": float(metrics["test_acc"]), "epsilon": strategy.get_epsilon(),
         "delta": strategy.delta, "noise_multiplier": strategy.noise_multiplier, "steps": strategy.steps,
         "lr": opt.param_groups[0]["lr"], "rank": getattr(opt, "rank", None), "fit_seconds": round(fit_s, 1),
+        "vit_layers": cli.model.model.model.config.num_hidden_layers,
     }  # fmt: skip
 
 

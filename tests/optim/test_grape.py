@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -321,3 +323,15 @@ def test_resume_from_a_checkpoint_continues_the_projection_schedule(tmp_path) ->
     opt_a.param_groups[0]["dp_grape_steps"] = 5
     for p_a, p_b in zip(opt_a.projections.values(), opt_b.projections.values()):
         assert torch.equal(p_a.matrix(cpu), p_b.matrix(cpu))
+
+
+def test_the_vit_configs_differ_only_in_the_optimizer_class() -> None:
+    import yaml
+
+    from dplightning.planning.memory import load_configs
+
+    folder = Path(__file__).resolve().parents[2] / "configs" / "grape"
+    adam, grape = (load_configs([folder / f"vit_digits_dp_{k}.yaml"]) for k in ("adam", "grape"))
+    assert adam["model"]["init_args"]["optimizer"].pop("class_path") == "torch.optim.AdamW"
+    assert grape["model"]["init_args"]["optimizer"].pop("class_path") == "dplightning.optim.DPGrape"
+    assert yaml.safe_dump(adam) == yaml.safe_dump(grape)
