@@ -32,7 +32,9 @@ CONFIGS = {
 }
 
 
-def run_arm(name: str, seed: int, epochs: int, epsilon: float, lr: float | None, rank: int | None) -> dict:
+def run_arm(
+    name: str, seed: int, epochs: int, epsilon: float, lr: float | None, rank: int | None, grape: dict[str, str]
+) -> dict:
     args = ["fit", "--config", str(CONFIGS[name]), f"--seed_everything={seed}", f"--trainer.max_epochs={epochs}",
             "--trainer.enable_progress_bar=false", "--test_after_fit=false",
             f"--trainer.strategy.init_args.target_epsilon={epsilon}"]  # fmt: skip
@@ -40,6 +42,8 @@ def run_arm(name: str, seed: int, epochs: int, epsilon: float, lr: float | None,
         args.append(f"--model.init_args.optimizer.init_args.lr={lr}")
     if rank is not None and name == "dp_grape":
         args.append(f"--model.init_args.optimizer.init_args.rank={rank}")
+    if name == "dp_grape":
+        args += [f"--model.init_args.optimizer.init_args.{k}={v}" for k, v in grape.items()]
     start = time.perf_counter()
     cli = build_cli(args)
     fit_s = time.perf_counter() - start
@@ -51,6 +55,7 @@ def run_arm(name: str, seed: int, epochs: int, epsilon: float, lr: float | None,
         "delta": strategy.delta, "noise_multiplier": strategy.noise_multiplier, "steps": strategy.steps,
         "lr": opt.param_groups[0]["lr"], "rank": getattr(opt, "rank", None), "fit_seconds": round(fit_s, 1),
         "vit_layers": cli.model.model.model.config.num_hidden_layers,
+        "refresh_every": getattr(opt, "refresh_every", None), "projection_std": getattr(opt, "projection_std", None),
     }  # fmt: skip
 
 
@@ -62,6 +67,8 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--lr", type=float, default=None, help="override the configs' learning rate")
     parser.add_argument("--rank", type=int, default=None, help="override DP-GRAPE's rank")
+    parser.add_argument("--refresh-every", type=int, default=None, help="override DP-GRAPE's T")
+    parser.add_argument("--projection-std", default=None, choices=["authors", "jl"], help="override DP-GRAPE's P scale")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grape_accuracy_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -70,19 +77,23 @@ def main() -> None:
     results = json.loads(out.read_text()) if out.exists() else fresh
     for seed in args.seeds:
         for name in args.arms:
-            row = run_arm(name, seed, args.epochs, args.epsilon, args.lr, args.rank)
+            grape = {"refresh_every": args.refresh_every, "projection_std": args.projection_std}
+            grape = {k: str(v) for k, v in grape.items() if v is not None}
+            row = run_arm(name, seed, args.epochs, args.epsilon, args.lr, args.rank, grape)
             row["command"] = " ".join(["python", *sys.argv])
             results["runs"].append(row)
             out.write_text(json.dumps(results, indent=2) + "\n")  # after every run: nothing lost if stopped
             print(json.dumps(row), flush=True)
     groups: dict[tuple, list[float]] = {}
     for r in results["runs"]:
-        groups.setdefault((r["arm"], r["lr"], r["rank"], r["steps"], round(r["epsilon"], 1)), []).append(r["test_acc"])
-    print(f"{'arm':<10}{'lr':>8}{'rank':>6}{'steps':>7}{'ε':>6}{'runs':>6}{'mean acc':>10}{'sd':>8}")
-    for (arm, lr, rank, steps, eps), accs in groups.items():
+        key = (r["arm"], r["lr"], r["rank"], r.get("refresh_every"), r.get("projection_std"), r["steps"])
+        groups.setdefault(key, []).append(r["test_acc"])
+    print(f"{'arm':<10}{'lr':>8}{'rank':>6}{'T':>5}{'P std':>9}{'steps':>7}{'runs':>6}{'mean acc':>10}{'sd':>8}")
+    for (arm, lr, rank, t, std, steps), accs in groups.items():
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
         mean = statistics.fmean(accs)
-        print(f"{arm:<10}{lr:>8.4g}{rank or '-':>6}{steps:>7}{eps:>6}{len(accs):>6}{mean:>10.4f}{sd:>8.4f}")
+        cells = f"{arm:<10}{lr:>8.4g}{rank or '-':>6}{t or '-':>5}{std or '-':>9}{steps:>7}"
+        print(f"{cells}{len(accs):>6}{mean:>10.4f}{sd:>8.4f}")
 
 
 if __name__ == "__main__":

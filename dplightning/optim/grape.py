@@ -41,10 +41,20 @@ def projection_side(shape: torch.Size) -> Side:
     return "right" if rows >= cols else "left"
 
 
-def gaussian_projection(seed: int, name: str, refresh: int, rank: int, width: int, device: torch.device) -> Tensor:
-    """P ∈ ℝ^{rank×width}, entries N(0, 1/rank²), from a generator seeded by (seed, name, refresh) on ``device``."""
+def gaussian_projection(
+    seed: int, name: str, refresh: int, rank: int, width: int, device: torch.device, std: str = "authors"
+) -> Tensor:
+    """P ∈ ℝ^{rank×width} from a generator seeded by (seed, name, refresh) on ``device``.
+
+    ``std="authors"``: entries N(0, 1/rank²), as the authors' code draws them (projected norms
+    ≈ √rank smaller than full ones); ``"jl"``: N(0, 1/rank), the Johnson–Lindenstrauss scale
+    (norms preserved in expectation).
+    """
+    if std not in ("authors", "jl"):
+        raise ValueError(f"projection std must be 'authors' or 'jl', got {std!r}.")
     generator = torch.Generator(device=device).manual_seed(derive_seed(seed, "dp-grape", name, refresh))
-    return torch.randn(rank, width, generator=generator, device=device) / rank
+    scale = 1 / rank if std == "authors" else 1 / math.sqrt(rank)
+    return torch.randn(rank, width, generator=generator, device=device) * scale
 
 
 class RandomProjection(SlotTransform):
@@ -114,6 +124,9 @@ class DPGrape(torch.optim.Optimizer):
             selection (weights of ``nn.Linear`` and Hugging Face ``Conv1D`` layers outside
             ``exclude``); a matching parameter must be a matrix with ``rank ≤`` both sides.
         exclude: fnmatch patterns of module names whose weights stay full-dimensional.
+        projection_std: ``"authors"`` (default): P's entries N(0, 1/r²), as in the authors' code;
+            ``"jl"``: N(0, 1/r), which keeps projected norms (and the lifted update's scale) at
+            the full-dimensional ones' (see ``docs/dp_grape.md`` for what it changed on digits).
     """
 
     def __init__(
@@ -128,13 +141,15 @@ class DPGrape(torch.optim.Optimizer):
         seed: int = 0,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] = DEFAULT_EXCLUDE,
+        projection_std: str = "authors",
     ) -> None:
         if rank < 1 or refresh_every < 1:
             raise ValueError(f"rank and refresh_every must be >= 1, got rank={rank}, refresh_every={refresh_every}.")
         if not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"Invalid AdamW hyperparameters: lr={lr}, betas={betas}, eps={eps}, wd={weight_decay}.")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.rank, self.refresh_every, self.seed = rank, refresh_every, seed
+        gaussian_projection(seed, "", 0, 1, 1, torch.device("cpu"), projection_std)  # validates the name
+        self.rank, self.refresh_every, self.seed, self.projection_std = rank, refresh_every, seed, projection_std
         self.include, self.exclude = (list(include) if include is not None else None), list(exclude)
         self.projections: dict[nn.Parameter, RandomProjection] = {}
         self._owners: dict[nn.Parameter, list[tuple[str, nn.Module]]] | None = None
@@ -155,7 +170,7 @@ class DPGrape(torch.optim.Optimizer):
 
     def projection_matrix(self, name: str, refresh: int, width: int, device: torch.device) -> Tensor:
         """P of parameter ``name`` at refresh ``refresh``: ``[rank, width]``, N(0, 1/rank²) (override to change)."""
-        return gaussian_projection(self.seed, name, refresh, self.rank, width, device)
+        return gaussian_projection(self.seed, name, refresh, self.rank, width, device, self.projection_std)
 
     def dp_bind_module(self, module: nn.Module) -> None:
         """Learn which module owns each parameter (called by the strategy before :meth:`dp_plan`)."""
