@@ -156,7 +156,12 @@ class DPRelease:
 
 @runtime_checkable
 class DPPlanned(Protocol):
-    """An optimizer that declares its DP plan and receives the release; it never reads the strategy."""
+    """An optimizer that declares its DP plan and receives the release; it never reads the strategy.
+
+    Optionally it may also define ``dp_bind_module(module)``: the strategy then calls it with
+    the LightningModule before each :meth:`dp_plan`, for plans that select parameters by the
+    type of the layer owning them (DP-GRAPE projects Linear weights only).
+    """
 
     def dp_plan(self, named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> DPPlan:
         """The plan for these privatized parameters (asked at setup, and again if they change)."""

@@ -562,28 +562,52 @@ def activation_bytes(d: Dims, prec: Precision, roles: set[str], rows: int, token
 # ---------------------------------------------------------------- the engines' per-example state
 
 
-def engine_store(layers: Sequence[Layer], prec: Precision, engine: str, rows: int, tokens: int) -> tuple[int, int]:
-    """``(Δ and factor copies kept by book-keeping, formed per-example gradients)`` in bytes."""
+def engine_store(
+    layers: Sequence[Layer],
+    prec: Precision,
+    engine: str,
+    rows: int,
+    tokens: int,
+    projected: Mapping[str, Projected] | None = None,
+) -> tuple[int, int]:
+    """``(Δ and factor copies kept by book-keeping, formed per-example gradients)`` in bytes.
+
+    A weight a DP-GRAPE plan projects keeps Δ Pᵀ (r wide) instead of Δ when projected on the
+    left (A stays, counted with the held inputs), and forms only its projected slot.
+    """
     kept = formed = 0
+    projected = projected or {}
     for layer in layers:
         grad_bytes = prec.compute if layer.kind == "linear" else prec.param
         formed += rows * layer.other * grad_bytes
+        proj = projected.get(layer.name)
         if layer.factored(engine, tokens):
             copy = layer.in_width * prec.compute if prec.mixed and layer.fp32_input else 0
-            kept += rows * tokens * (layer.out_width * grad_bytes + copy)
+            width = proj.rank if proj is not None and proj.side == "left" else layer.out_width
+            kept += rows * tokens * (width * grad_bytes + copy)
         elif layer.weight:
-            formed += rows * layer.weight * grad_bytes
+            formed += rows * (proj.slot if proj is not None else layer.weight) * grad_bytes
         if layer.name.endswith(("lora_B.default", "lora_B")):
             kept += rows * tokens * layer.in_width * prec.compute  # the adapter's rank-r input, held by its hook
     return kept, formed
 
 
-def clipping_transient(layers: Sequence[Layer], prec: Precision, engine: str, rows: int, tokens: int) -> int:
+def clipping_transient(
+    layers: Sequence[Layer],
+    prec: Precision,
+    engine: str,
+    rows: int,
+    tokens: int,
+    projected: Mapping[str, Projected] | None = None,
+) -> int:
     """The largest fp32 temporaries of one slot's norm and clipped sum (``grads.py``), in bytes."""
     worst = 0
+    projected = projected or {}
     for layer in layers:
         if not layer.weight:
             continue
+        if layer.name in projected:  # the slot is r x max(m, n); its ghost norm and sum are smaller still
+            layer = replace(layer, weight=projected[layer.name].slot)
         lowp = prec.compute != 4 if layer.kind == "linear" else prec.param != 4
         out_sum = 4 * layer.weight * (5 if layer.calls > 1 else 1)  # a tied slot stacks its parts' sums
         if layer.factored(engine, tokens):
@@ -597,6 +621,45 @@ def clipping_transient(layers: Sequence[Layer], prec: Precision, engine: str, ro
         else:
             worst = max(worst, (4 * rows * layer.weight if lowp else 0) + out_sum)
     return worst
+
+
+# ---------------------------------------------------------------- DP-GRAPE's projections
+
+
+@dataclass(frozen=True)
+class Projected:
+    """A weight that a DP-GRAPE plan projects: its side, its rank and its slot's elements."""
+
+    side: str
+    rank: int
+    slot: int
+
+
+def grape_projections(model: Any, s: Settings) -> dict[str, Any]:
+    """``{projected: {layer name: Projected}, slots: slot elements}`` for a ``DPGrape`` optimizer, else ``{}``.
+
+    The selection is :class:`~dplightning.optim.DPGrape`'s own, run on the meta model.
+    """
+    if s.optimizer.rsplit(".", 1)[-1] != "DPGrape":
+        return {}
+    from dplightning.optim.grape import DPGrape, projection_side
+
+    keys = ("rank", "refresh_every", "seed", "include", "exclude")
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = DPGrape([p for _, p in trainable], **{k: v for k, v in s.optimizer_args.items() if k in keys})
+    opt.dp_bind_module(model)
+    owner = {p: n for n, m in model.named_modules() for p in m.parameters(recurse=False)}
+    projected: dict[str, Projected] = {}
+    slots = 0
+    for name, p in trainable:
+        if opt.selected(name, p):
+            side = projection_side(p.shape)
+            slot = opt.rank * (p.shape[0] if side == "right" else math.prod(p.shape[1:]))
+            projected[owner[p]] = Projected(side, opt.rank, slot)
+            slots += slot
+        else:
+            slots += p.numel()
+    return {"projected": projected, "slots": slots}
 
 
 # ---------------------------------------------------------------- the plan
@@ -681,8 +744,14 @@ class MemoryPlan:
         return out
 
 
-def _static(s: Settings, params: int, trainable: int, states: int) -> list[Component]:
+def _static(s: Settings, params: int, trainable: int, states: int, slots: int | None = None) -> list[Component]:
     p = s.precision.param
+    if slots is not None:  # DP-GRAPE: fp32 moments and buckets of the slots (projected weights r x max(m, n))
+        return [
+            Component("weights", params * p, "static", f"{params:,} parameters, {8 * p}-bit"),
+            Component("optimizer states", states * slots * 4, "static", f"{states} fp32 per slot element"),
+            Component("DP buckets (clipped sum)", slots * 4, "static", f"fp32, {slots:,} slot elements"),
+        ]
     return [
         Component("weights", params * p, "static", f"{params:,} parameters, {8 * p}-bit"),
         Component("optimizer states", states * trainable * p, "static", f"{states} per trainable parameter"),
@@ -702,18 +771,27 @@ def _forward(s: Settings, d: Dims, matmul: int, rows: int, alive: int) -> list[C
     return out
 
 
-def _backward(s: Settings, layers: list[Layer], held: int, rows: int, trainable: int) -> list[Component]:
+def _backward(
+    s: Settings,
+    layers: list[Layer],
+    held: int,
+    rows: int,
+    trainable: int,
+    projected: Mapping[str, Projected] | None = None,
+) -> list[Component]:
     t, prec = s.max_length, s.precision
-    kept, formed = engine_store(layers, prec, s.engine, rows, t)
+    kept, formed = engine_store(layers, prec, s.engine, rows, t, projected)
     early = s.clipping in ("per_layer", "per_matrix") and s.verify == "never"
     if early:  # each layer's Δ and g_i go into the buckets when its backward is done
-        per = [engine_store([x], prec, s.engine, rows, t) for x in layers]
+        per = [engine_store([x], prec, s.engine, rows, t, projected) for x in layers]
         kept, formed = max((k for k, _ in per), default=0), max((f for _, f in per), default=0)
     out = [
         Component("layer inputs held by the hooks (A)", held, "backward", "until the clipped sum"),
         Component("output gradients kept (Δ)", kept, "backward", f"book-keeping{', one layer' if early else ''}"),
         Component("formed per-example gradients", formed, "backward", "biases, norms, instantiated weights"),
-        Component("clipping temporaries (fp32)", clipping_transient(layers, prec, s.engine, rows, t), "backward"),
+        Component(
+            "clipping temporaries (fp32)", clipping_transient(layers, prec, s.engine, rows, t, projected), "backward"
+        ),
     ]
     if s.verify != "never":
         note = "autograd's, first steps only (verify_gradients)"
@@ -721,7 +799,11 @@ def _backward(s: Settings, layers: list[Layer], held: int, rows: int, trainable:
     return out
 
 
-def _optimizer(s: Settings, trainable: int, largest: int, states: int) -> list[Component]:
+def _optimizer(s: Settings, trainable: int, largest: int, states: int, slots: int | None = None) -> list[Component]:
+    if slots is not None:  # DP-GRAPE steps per tensor: √v, m/√v and the lifted fp32 update of one weight
+        out = [Component("optimizer temporaries", 3 * largest * 4, "optimizer", "per tensor (DP-GRAPE)")]
+        out.append(Component("noise (one bucket)", min(s.bucket_cap_mb * 2**20, slots * 4), "optimizer"))
+        return out
     temp = trainable * s.precision.param if s.gpu else 2 * largest * 4  # foreach on GPU, per tensor on CPU
     out = [Component("optimizer temporaries", temp if states else 0, "optimizer", "foreach" if s.gpu else "per tensor")]
     out.append(Component("noise (one bucket)", min(s.bucket_cap_mb * 2**20, trainable * 4), "optimizer"))
@@ -743,6 +825,8 @@ class Survey:
     largest: int
     matmul: int
     source: str
+    projected: dict[str, Projected] = field(default_factory=dict)
+    slots: int | None = None
 
 
 def survey(config: Mapping[str, Any]) -> Survey:
@@ -763,6 +847,7 @@ def survey(config: Mapping[str, Any]) -> Survey:
         largest=max((p.numel() for p in trainable), default=0),
         matmul=sum(m.weight.numel() for m in model.modules() if _widths(m)[0] == "linear"),
         source=source,
+        **grape_projections(model, s),
     )
 
 
@@ -774,10 +859,10 @@ def assemble(sv: Survey, sigmas: float = DEFAULT_SIGMAS, accumulate: int | None 
     head = any(x.name.endswith(("lm_head", "score", "classifier.out_proj")) for x in sv.layers)
     alive, held = activation_bytes(sv.dims, s.precision, sv.roles, rows, s.max_length, head)
     components = [
-        *_static(s, sv.parameters, sv.trainable, states),
+        *_static(s, sv.parameters, sv.trainable, states, sv.slots),
         *_forward(s, sv.dims, sv.matmul, rows, alive),
-        *_backward(s, sv.layers, held, rows, sv.trainable),
-        *_optimizer(s, sv.trainable, sv.largest, states),
+        *_backward(s, sv.layers, held, rows, sv.trainable, sv.projected),
+        *_optimizer(s, sv.trainable, sv.largest, states, sv.slots),
     ]
     engines = {"book_keeping": 0, "instantiate": 0}
     for layer in sv.layers:
@@ -803,6 +888,12 @@ def assemble(sv: Survey, sigmas: float = DEFAULT_SIGMAS, accumulate: int | None 
 
 def _notes(sv: Survey, s: Settings) -> list[str]:
     notes = [f"architecture: {sv.dims.arch}, {sv.dims.layers} layers, from the {sv.source}"]
+    if sv.slots is not None:
+        rank = next(iter(sv.projected.values())).rank if sv.projected else 0
+        notes.append(
+            f"DP-GRAPE: {len(sv.projected)} weights projected to rank {rank}; {sv.slots:,} slot elements "
+            f"(of {sv.trainable:,} trainable); the held inputs A of right-projected layers are counted in full"
+        )
     if not s.poisson:
         notes.append("poisson_sampling is off: fixed batches, no margin")
     if s.verify != "never":

@@ -83,6 +83,9 @@ class PrivateStep:
         Runs at setup and again when the trainable parameters change (see :meth:`replan_if_changed`).
         """
         named = _privatized_parameters(self.module, self.optimizer)
+        bind = getattr(self.optimizer, "dp_bind_module", None)
+        if isinstance(self.optimizer, DPPlanned) and callable(bind):
+            bind(self.module)  # optional: a plan that selects parameters by their layer's type
         plan = (
             self.optimizer.dp_plan(named, self.config.max_grad_norm)
             if isinstance(self.optimizer, DPPlanned)

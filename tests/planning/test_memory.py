@@ -165,3 +165,22 @@ def test_published_opt_6_7b_counts_6_7_billion() -> None:
     assert p.trainable == 32 * 2 * 16 * (4096 + 4096)  # rank-16 A and B on q and v of 32 layers
     assert p.peak > p.parameters * 4  # at least the fp32 weights
     assert p.peak / GB < 200
+
+
+def test_dp_grape_plans_its_slots_for_states_and_buckets() -> None:
+    from dplightning.modules import DPCausalLM
+    from dplightning.optim import DPGrape
+
+    module = DPCausalLM(config=dict(TINY_OPT))
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    opt = DPGrape([p for _, p in named], rank=4)
+    opt.dp_bind_module(module)
+    transforms = opt.dp_plan(named, 1.0).transforms
+    slots = sum(transforms[p].slot_shape(p.shape).numel() if p in transforms else p.numel() for _, p in named)
+    assert transforms and slots < sum(p.numel() for _, p in named)
+    grape = plan(fit_config(optimizer={"class_path": "dplightning.optim.DPGrape", "init_args": {"rank": 4}}))
+    assert component(grape, "DP buckets (clipped sum)") == 4 * slots
+    assert component(grape, "optimizer states") == 2 * 4 * slots  # two fp32 moments per slot element
+    adam = plan(fit_config())
+    assert component(grape, "formed per-example gradients") < component(adam, "formed per-example gradients")
+    assert grape.peak < adam.peak

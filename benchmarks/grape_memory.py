@@ -1,0 +1,272 @@
+"""Peak memory and step time of DP-GRAPE vs DP-Adam vs non-private Adam, side by side in one run.
+
+    OMP_NUM_THREADS=1 python benchmarks/grape_memory.py                 # both models, every runner
+    OMP_NUM_THREADS=1 python benchmarks/grape_memory.py --models vit --steps 4
+
+Models (random weights from a config, random inputs and labels, 10 classes):
+
+* ``vit``: Hugging Face ``ViTForImageClassification``, 6 layers, width 256, FFN 1024, 4 heads,
+  3x32x32 images in 4x4 patches (65 tokens);
+* ``roberta``: a RoBERTa-like encoder (``RobertaForSequenceClassification``), 6 layers, width
+  256, FFN 1024, 4 heads, vocabulary 8192, 64 tokens.
+
+Runners, all through ``Trainer.fit`` with the same AdamW hyperparameters:
+
+* ``adam``: non-private AdamW (``strategy="auto"``);
+* ``dp-adam``: ``dplightning.DPStrategy`` with ``torch.optim.AdamW``, engine ``auto`` (the default:
+  book-keeping / ghost norms where they pay, so per-example weight gradients are *not* formed);
+* ``dp-adam-inst``: the same with ``clipping_engine="instantiate"``: every per-example gradient
+  formed, as Opacus' hooks store them (the storage of the issue's "DP-Adam (Opacus hooks)");
+* ``opacus-hooks``: Opacus 1.6 ``make_private`` (hooks mode: per-example gradients stored on every
+  parameter) driving a plain loop with ``torch.optim.AdamW``; ViT's embeddings get dplightning's
+  sampler, as in ``engines.py`` (Opacus has none);
+* ``dp-grape``: ``DPStrategy`` with ``dplightning.optim.DPGrape`` (``--rank``, T = 100).
+
+Every DP runner: σ = 1, C = 1, flat clipping, ``poisson_sampling=False`` (every batch has exactly
+B rows, the shape compared), ``verify_gradients="never"`` (the default's two verification steps
+keep autograd's full ``p.grad``, a one-off of the first steps, not the steady state measured).
+
+**Peak memory** is the largest running total of the CPU allocator's live bytes over the whole fit
+(``torch.profiler`` memory events, ``Total Allocated``; the method of ``memory_plan_check.py``),
+profiling from before the model is built, in a fresh process per measurement: weights, optimizer
+states, buckets, activations, per-example gradients and temporaries, without the interpreter and
+libraries that peak RSS mixes in. **Step time** is measured in *another* fresh process without the
+profiler (``_harness.StepClock``: the gap between step starts, warm-up dropped), one thread.
+**Largest batch in a budget**: peak memory is affine in the batch, so it is measured at two batch
+sizes per runner and the fit's largest batch under ``--budget-mib`` is reported (``--check-largest``
+measures it once at that batch, to check the fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from _harness import StepClock, in_fresh_process, measured, summarise, write_report
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "grape_memory_cpu.json"
+RUNNERS = ("adam", "dp-adam", "dp-adam-inst", "opacus-hooks", "dp-grape")
+MODELS = {
+    "vit": dict(model_type="vit", image_size=32, patch_size=4, num_channels=3, hidden_size=256, num_hidden_layers=6,
+                num_attention_heads=4, intermediate_size=1024, num_labels=10, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0),
+    "roberta": dict(model_type="roberta", vocab_size=8192, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
+                    intermediate_size=1024, max_position_embeddings=80, num_labels=10, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, pad_token_id=1),
+}  # fmt: skip
+TOKENS = 64
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, config: dict[str, Any]) -> None:
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        super().__init__()
+        fields = dict(config)
+        config_ = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        self.model = AutoModelForSequenceClassification.from_config(config_)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+class _Classifier(pl.LightningModule):
+    def __init__(self, net: nn.Module, optimizer: str, rank: int) -> None:
+        super().__init__()
+        self.net, self.optimizer_name, self.rank = net, optimizer, rank
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y, reduction="sum") / max(len(y), 1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "dp-grape":
+            from dplightning.optim import DPGrape
+
+            return DPGrape(self.parameters(), rank=self.rank, refresh_every=100, **HYPER)
+        return torch.optim.AdamW(self.parameters(), **HYPER)
+
+
+def _build(model: str, runner: str, rank: int) -> _Classifier:
+    torch.manual_seed(0)
+    if model == "vit":
+        from dplightning.models import HFImageClassifier
+
+        net: nn.Module = HFImageClassifier(MODELS["vit"])
+    else:
+        net = _Encoder(MODELS["roberta"])
+    return _Classifier(net, runner, rank)
+
+
+def _data(model: str, batch: int, steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    n = batch * (steps + 2)
+    x = torch.rand(n, 3, 32, 32, generator=g) if model == "vit" else torch.randint(3, 8192, (n, TOKENS), generator=g)
+    return DataLoader(TensorDataset(x, torch.randint(0, 10, (n,), generator=g)), batch_size=batch, shuffle=True)
+
+
+def _trainer(runner: str, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+    import dplightning
+
+    strategy: Any = "auto"
+    if runner != "adam":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            strategy = dplightning.DPStrategy(
+                noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, verify_gradients="never",
+                clipping_engine="instantiate" if runner == "dp-adam-inst" else "auto",
+            )  # fmt: skip
+    return pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )  # fmt: skip
+
+
+def _quiet() -> None:
+    import logging
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+
+def _opacus_fit(module: _Classifier, loader: DataLoader, clock: StepClock) -> None:
+    import opacus
+    from engines import _register_vit_sampler_with_opacus
+
+    _register_vit_sampler_with_opacus()
+    net, opt = module.net, torch.optim.AdamW(module.net.parameters(), **HYPER)
+    engine = opacus.PrivacyEngine(accountant="prv")
+    net, opt, loader = engine.make_private(
+        module=net, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False
+    )
+    for x, y in loader:
+        if clock.tick(len(x)):
+            break
+        opt.zero_grad(set_to_none=True)
+        (F.cross_entropy(net(x), y, reduction="sum") / max(len(y), 1)).backward()
+        opt.step()
+
+
+def _fit(model: str, runner: str, batch: int, rank: int, steps: int, clock: StepClock | None = None) -> _Classifier:
+    module = _build(model, runner, rank)
+    data = _data(model, batch, steps)
+    if runner == "opacus-hooks":
+        _opacus_fit(module, data, clock or StepClock(steps))
+    else:
+        _trainer(runner, steps + (clock is not None), [clock] if clock else []).fit(module, data)
+    return module
+
+
+def peak_memory(model: str, runner: str, batch: int, rank: int, steps: int) -> dict[str, Any]:
+    """Peak live CPU tensor bytes of ``steps`` steps (this process), by the profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _quiet()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        module = _fit(model, runner, batch, rank, steps)
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    cpu = [e for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] == 0]
+    totals = [e["args"]["Total Allocated"] for e in cpu]
+    params = sum(p.numel() for p in module.parameters())
+    return {"peak_mib": max(totals) / 2**20, "params": params, "foreign_cpu_pct": 0.0}
+
+
+def step_time(model: str, runner: str, batch: int, rank: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Step times of ``warmup + steps`` steps (this process, no profiler)."""
+    _quiet()
+
+    def train() -> tuple[StepClock, int]:
+        clock = StepClock(warmup + steps)
+        _fit(model, runner, batch, rank, warmup + steps, clock)
+        return clock, warmup
+
+    return measured(train)
+
+
+def _largest_batch(points: dict[int, float], budget: float) -> int:
+    (b1, m1), (b2, m2) = sorted(points.items())
+    slope = (m2 - m1) / (b2 - b1)
+    return max(int(math.floor(b1 + (budget - m1) / slope)), 0) if slope > 0 else -1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--small-batch", type=int, default=8, help="second batch of the affine memory fit")
+    parser.add_argument("--rank", type=int, default=16, help="DP-GRAPE's r")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--memory-steps", type=int, default=2)
+    parser.add_argument("--budget-mib", type=float, default=512.0)
+    parser.add_argument("--check-largest", action="store_true", help="measure the peak at the fitted largest batch")
+    parser.add_argument("--max-other-cpu", type=float, default=100.0, help="retry above this foreign CPU share (%%)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for model in args.models:
+        rows: dict[str, Any] = {}
+        for runner in args.runners:
+            label = f"{model}/{runner}"
+            mem = {
+                b: in_fresh_process(peak_memory, (model, runner, b, args.rank, args.memory_steps), 100.0, label)
+                for b in (args.small_batch, args.batch)
+            }
+            timing = summarise([in_fresh_process(step_time, (model, runner, args.batch, args.rank, args.steps,
+                                                             args.warmup), args.max_other_cpu, label)])  # fmt: skip
+            largest = _largest_batch({b: m["peak_mib"] for b, m in mem.items()}, args.budget_mib)
+            check = (
+                in_fresh_process(peak_memory, (model, runner, largest, args.rank, args.memory_steps), 100.0, label)
+                if largest > 0 and args.check_largest
+                else None
+            )
+            rows[runner] = {
+                "params": mem[args.batch]["params"],
+                "peak_mib": {str(b): m["peak_mib"] for b, m in mem.items()},
+                "median_step_ms": timing["median_ms"],
+                "step_ms": timing["runs"][0]["step_ms"],
+                "foreign_cpu_pct": timing["foreign_cpu_pct"],
+                "largest_batch_in_budget": largest,
+                "peak_mib_at_largest": check["peak_mib"] if check else None,
+            }
+            print(f"{label}: peak {rows[runner]['peak_mib'][str(args.batch)]:.1f} MiB at B={args.batch}, "
+                  f"{timing['median_ms']:.0f} ms/step, largest batch in {args.budget_mib:.0f} MiB: {largest}",
+                  flush=True)  # fmt: skip
+        results[model] = rows
+        _print_table(model, rows, args)
+        write_report(args.out, "grape_memory", 1, vars(args), results=results)  # after each model
+
+
+def _print_table(model: str, rows: dict[str, Any], args: argparse.Namespace) -> None:
+    base = rows.get("dp-adam")
+    head = f"| {model} runner | peak MiB (B={args.batch}) | vs DP-Adam | step ms | vs DP-Adam | "
+    head += f"largest B in {args.budget_mib:.0f} MiB |"
+    print(head + "\n|" + "---|" * 6)
+    for runner, r in rows.items():
+        peak, ms = r["peak_mib"][str(args.batch)], r["median_step_ms"]
+        rel = ("", "")
+        if base:
+            rel = (f"{peak / base['peak_mib'][str(args.batch)]:.2f}x", f"{ms / base['median_step_ms']:.2f}x")
+        print(f"| {runner} | {peak:.1f} | {rel[0]} | {ms:.0f} | {rel[1]} | {r['largest_batch_in_budget']} |")
+
+
+if __name__ == "__main__":
+    main()
