@@ -285,7 +285,8 @@ class _DPHooks(Strategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         if self.accounting.ledger.steps:
-            rank_zero_info(self.accounting.report(self.dp_config.clipping_engine))
+            clipping = self.private_step.clipping if self.private_step is not None else None
+            rank_zero_info(self.accounting.report(self.dp_config.clipping_engine, clipping))
         if self.nonfinite_examples:
             warnings.warn(
                 f"{self.nonfinite_examples} example(s) of this run had a non-finite per-example gradient and "

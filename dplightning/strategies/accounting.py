@@ -205,14 +205,15 @@ class PrivacyAccounting:
             assert self.accounted_noise_multiplier is not None and self.sample_rate is not None
             self.ledger.step(self.accounted_noise_multiplier, self.sample_rate)
 
-    def report(self, engine: str) -> str:
-        """One line with the final (ε, δ) and the parameters that produced it."""
+    def report(self, engine: str, clipping: str | None = None) -> str:
+        """One line with the final (ε, δ) and the parameters that produced it (``clipping``: as applied)."""
         releases = self._step_releases
         shared = f"; σ_eff = {self.accounted_noise_multiplier:.4g} with {releases}" if releases else ""
         return (
             f"DP-SGD: (ε = {self.get_epsilon():.4g}, δ = {self.delta:.3g}) after {self.ledger.steps} steps "
             f"[σ = {self.noise_multiplier:.4g}, q = {self.sample_rate:.4g}, C = {self.config.max_grad_norm}, "
-            f"clipping = {self.config.clipping}, engine = {engine}, accountant = {self.config.accountant}{shared}]"
+            f"clipping = {clipping or self.config.clipping}, engine = {engine}, "
+            f"accountant = {self.config.accountant}{shared}]"
         )
 
     # ------------------------------------------------------------------ checkpoints

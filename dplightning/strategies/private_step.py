@@ -92,6 +92,8 @@ class PrivateStep:
             else DPPlan()
         )
         groups = plan.groups or make_clip_groups(self.config.clipping, named, self.config.max_grad_norm)
+        # What the final report and checkpoints call the clipping: the optimizer's groups override the policy.
+        self.clipping = f"optimizer plan ({len(groups)} groups)" if plan.groups else self.config.clipping
         _check_partition(groups, named)
         self.transforms: dict[nn.Parameter, SlotTransform] = dict(plan.transforms)
         if self.hooks is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import lightning.pytorch as pl
@@ -30,14 +31,18 @@ class _KeepsRelease(ProjectedSGD):
         )
 
 
-def test_a_plan_receives_the_projected_clipped_sum_plus_noise_of_the_stated_std() -> None:
+def test_a_plan_receives_the_projected_clipped_sum_plus_noise_of_the_stated_std(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     sigma, c = 0.7, 0.5
     torch.manual_seed(0)
     module = TinyModule(optimizer=lambda params: _KeepsRelease(params, lr=0.1, rank=2))
     before = params_of(module)
     data = DataLoader(make_dataset(N), batch_size=N)  # q = 1: every example, in order
-    make_trainer(dp(noise_multiplier=sigma, max_grad_norm=c, seed=5)).fit(module, data)
+    with caplog.at_level(logging.INFO):
+        make_trainer(dp(noise_multiplier=sigma, max_grad_norm=c, seed=5)).fit(module, data)
     opt = module.trainer.optimizers[0]
+    assert f"clipping = optimizer plan ({len(opt.projections) + 1} groups)" in caplog.text  # not the policy
     slots, noise_std, bounds, step = opt.kept
     # Reference: torch.func per-example gradients, projected, clipped per group, summed, plus the noise stream.
     net = mlp()
