@@ -2,6 +2,20 @@
 
 from dplightning.models.adaln import AdaLNFinalLayer, AdaLNZeroBlock, ModulationBounds
 from dplightning.models.dit_ts import TimeSeriesDiT
+from dplightning.models.edm import EMA, Denoiser, EDMPreconditioning, VPreconditioning
 from dplightning.models.small import MLP, SmallCNN
+from dplightning.models.unet import NCSNppUNet
 
-__all__ = ["MLP", "AdaLNFinalLayer", "AdaLNZeroBlock", "ModulationBounds", "SmallCNN", "TimeSeriesDiT"]
+__all__ = [
+    "EMA",
+    "MLP",
+    "AdaLNFinalLayer",
+    "AdaLNZeroBlock",
+    "Denoiser",
+    "EDMPreconditioning",
+    "ModulationBounds",
+    "NCSNppUNet",
+    "SmallCNN",
+    "TimeSeriesDiT",
+    "VPreconditioning",
+]
