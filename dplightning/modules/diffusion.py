@@ -108,6 +108,12 @@ class DPDiffusion(pl.LightningModule):
         drop = torch.rand(labels.shape, generator=generator).to(labels.device) < self.label_dropout
         return torch.where(drop, torch.full_like(labels, self.num_classes), labels)
 
+    def draw_noise(self, rows: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """One (σ, n) draw per row: σ from the training distribution, n ~ N(0, I)."""
+        sigma = self.denoiser.precond.sample_sigma(len(rows), generator, rows.device).to(rows.dtype)
+        noise = torch.randn(rows.shape, generator=generator, dtype=rows.dtype).to(rows.device)
+        return sigma, noise
+
     def per_example_loss(
         self,
         x: Tensor,
@@ -126,8 +132,7 @@ class DPDiffusion(pl.LightningModule):
         k = self.noise_multiplicity
         xk = x.repeat_interleave(k, 0)  # image i's rows are i·K … i·K + K − 1
         yk = None if labels is None else labels.repeat_interleave(k, 0)
-        sigma = self.denoiser.precond.sample_sigma(len(xk), generator, x.device).to(x.dtype)
-        noise = torch.randn(xk.shape, generator=generator, dtype=x.dtype).to(x.device)
+        sigma, noise = self.draw_noise(xk, generator)
         denoise = None if params is None else self._with(params)
         rows = self.denoiser.loss_per_row(xk, yk, sigma, noise, denoise)
         return rows.view(len(x), k).mean(1)
