@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
+import dplightning
 from dplightning.models import NCSNppUNet
 from dplightning.modules import DPDiffusion
 from tests.helpers import dp, make_trainer, params_of
@@ -111,3 +112,48 @@ def test_the_label_drop_is_decided_once_per_image() -> None:
 def test_a_bad_noise_multiplicity_is_refused(k) -> None:
     with pytest.raises(ValueError, match="noise_multiplicity"):
         DPDiffusion(tiny_net(), noise_multiplicity=k)
+
+
+def _fit_tiny(k: int, steps: int = 2, **strategy) -> DPDiffusion:
+    module = DPDiffusion(tiny_net(), noise_multiplicity=k, num_classes=3)
+    make_trainer(dplightning.DPStrategy(**strategy), max_steps=steps).fit(module, DataLoader(images(24), batch_size=8))
+    return module
+
+
+def test_the_privacy_cost_does_not_depend_on_k() -> None:
+    one, four = (_fit_tiny(k, target_epsilon=4.0, accountant="gdp") for k in (1, 4))
+    s1, s4 = one.trainer.strategy, four.trainer.strategy
+    assert s1.ledger.history == s4.ledger.history and s1.steps == s4.steps == 2
+    assert s1.get_epsilon() == s4.get_epsilon()
+
+
+def test_a_short_dp_run_on_digits_lowers_the_loss_and_writes_samples(tmp_path) -> None:
+    import lightning.pytorch as pl
+
+    from dplightning.data import DigitsDataModule, LabelsDataModule, SyntheticDataWriter
+    from dplightning.data.synthetic import load_synthetic
+
+    torch.manual_seed(0)
+    net = NCSNppUNet(image_size=8, nf=8, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(4,))
+    module = DPDiffusion(net, noise_multiplicity=2, sampling_steps=6, optimizer=lambda p: torch.optim.Adam(p, lr=3e-3))
+    dm = DigitsDataModule(batch_size=32)
+    dm.setup("fit")
+    x, y = next(iter(DataLoader(dm.val_set, batch_size=128)))
+
+    def fixed_loss() -> float:  # the current weights on fixed held-out images, σ and noise
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            return float(module.per_example_loss(x * 2 - 1, y, g).mean())
+
+    before = fixed_loss()
+    make_trainer(dp(noise_multiplier=0.5, seed=0, accountant="gdp"), max_steps=20, limit_val_batches=0).fit(module, dm)
+    assert fixed_loss() < 0.9 * before
+    assert module.ema.updates == 20  # one EMA update per optimizer step
+    writer = SyntheticDataWriter(str(tmp_path / "synthetic"))
+    pl.Trainer(logger=False, callbacks=[writer], enable_progress_bar=False).predict(
+        module, LabelsDataModule(num_samples=20, batch_size=10), return_predictions=False
+    )
+    images_, labels = load_synthetic(tmp_path / "synthetic" / "synthetic.pt")
+    assert images_.shape == (20, 1, 8, 8) and labels.tolist() == [i % 10 for i in range(20)]
+    assert 0 <= float(images_.min()) and float(images_.max()) <= 1 and float(images_.std()) > 0
+    assert (tmp_path / "synthetic" / "grid.png").is_file()
