@@ -24,7 +24,13 @@ def digits():
 def test_downstream_accuracy_rewards_right_labels(digits) -> None:
     (x, y), test = digits
     right = downstream_accuracy((x, y), test, kinds=("logreg",), epochs=15, lr=3e-3)
-    wrong = downstream_accuracy((x, y[torch.randperm(len(y), generator=torch.Generator().manual_seed(0))]), test, kinds=("logreg",), epochs=15, lr=3e-3)
+    wrong = downstream_accuracy(
+        (x, y[torch.randperm(len(y), generator=torch.Generator().manual_seed(0))]),
+        test,
+        kinds=("logreg",),
+        epochs=15,
+        lr=3e-3,
+    )
     assert right["logreg"] > 0.85 and wrong["logreg"] < 0.3
 
 
