@@ -146,9 +146,19 @@ def test_a_short_dp_run_on_digits_lowers_the_loss_and_writes_samples(tmp_path) -
             return float(module.per_example_loss(x * 2 - 1, y, g).mean())
 
     before = fixed_loss()
-    make_trainer(dp(noise_multiplier=0.5, seed=0, accountant="gdp"), max_steps=20, limit_val_batches=0).fit(module, dm)
+    make_trainer(
+        dp(noise_multiplier=0.5, seed=0, accountant="gdp"),
+        max_steps=20,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+    ).fit(module, dm)
     assert fixed_loss() < 0.9 * before
     assert module.ema.updates == 20  # one EMA update per optimizer step
+    grid = module.log_sample_grid()  # what on_validation_epoch_end writes every grid_every_n_epochs
+    assert grid == tmp_path / "samples" / f"epoch={module.current_epoch}.png"
+    from PIL import Image
+
+    assert Image.open(grid).size == (4 * (10 * 9 + 1),) * 2  # 10 classes × 10 samples, 8×8 + 1 px padding, 4× scale
     writer = SyntheticDataWriter(str(tmp_path / "synthetic"))
     pl.Trainer(logger=False, callbacks=[writer], enable_progress_bar=False).predict(
         module, LabelsDataModule(num_samples=20, batch_size=10), return_predictions=False
