@@ -94,7 +94,7 @@ def run_dpsgd(name: str, epsilon: float, seed: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", default="nonprivate,eps10,eps1,k1,k8,k32,dpsgd_eps10,dpsgd_eps1")
+    parser.add_argument("--runs", default="eps10,eps1,nonprivate,dpsgd_eps10,dpsgd_eps1,k1,k8,k32")
     parser.add_argument("--nf", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--k", type=int, default=8)
