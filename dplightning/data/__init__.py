@@ -2,7 +2,9 @@
 
 from dplightning.data.digits import DigitsDataModule
 from dplightning.data.ett import ETTDataModule
+from dplightning.data.idx import IDXImageDataModule
 from dplightning.data.poisson import EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader
+from dplightning.data.synthetic import LabelsDataModule, SyntheticDataWriter
 from dplightning.data.text import E2EDataModule, SST2DataModule, TextDataModule, TextFileDataModule
 
 __all__ = [
@@ -10,9 +12,12 @@ __all__ = [
     "E2EDataModule",
     "ETTDataModule",
     "EmptySafeCollate",
+    "IDXImageDataModule",
+    "LabelsDataModule",
     "PoissonBatchSampler",
     "PoissonDataLoader",
     "SST2DataModule",
+    "SyntheticDataWriter",
     "TextDataModule",
     "TextFileDataModule",
 ]
