@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from dplightning.optim._adam import adam_direction
 from dplightning.privacy.grad_sample.grads import Factored
 from dplightning.privacy.grad_sample.transforms import Projection, SlotTransform
 from dplightning.privacy.noise import derive_seed
@@ -229,28 +230,13 @@ class DPGrape(torch.optim.Optimizer):
                 "coordinates, and the projected ones would have none)."
             )
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p not in release.slots:
                     continue
-                grad = release.slots[p]
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                state["step"] += 1
-                t = state["step"]
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
-                step_size = group["lr"] / (1 - beta1**t)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
+                direction = adam_direction(self.state[p], release.slots[p], group["betas"], group["eps"])
                 if p in self.projections:
-                    p.add_(self.projections[p].lift(m / denom).to(p.dtype), alpha=-step_size)
-                else:
-                    p.addcdiv_(m, denom, value=-step_size)  # as torch.optim.AdamW
+                    direction = self.projections[p].lift(direction)
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(direction.to(p.dtype), alpha=-group["lr"])
         self.param_groups[0]["dp_grape_steps"] = self.steps + 1  # the next backward pass sees the next P
         return loss
 

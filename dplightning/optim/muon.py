@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from dplightning.optim._adam import adam_direction
 from dplightning.optim.bias_correction import MOMENTUM_FORMS, MomentumForm, momentum_noise_variance, orthogonalize
 from dplightning.optim.newton_schulz import NORMALIZATIONS, Normalization
 from dplightning.privacy.clipping import ClipGroup
@@ -229,21 +230,10 @@ class DPMuon(torch.optim.Optimizer):
         self.corrected_fraction = (done, on)
 
     def _adam_step(self, group: dict[str, Any], params: list[tuple[Tensor, Tensor]]) -> None:
-        # Written out rather than delegated to a second torch.optim.AdamW: one optimizer, one
-        # param-group/state_dict layout and one release; checked against torch's AdamW in the tests.
-        (b1, b2), eps, lr, wd = group["adam_betas"], group["adam_eps"], group["adam_lr"], group["adam_weight_decay"]
+        lr, wd = group["adam_lr"], group["adam_weight_decay"]
         for p, g in params:
-            state = self.state[p]
-            if "exp_avg" not in state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            state["step"] += 1
-            t, m, v, g = state["step"], state["exp_avg"], state["exp_avg_sq"], g.float()
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v / (1 - b2**t)).sqrt_().add_(eps)
-            p.mul_(1 - lr * wd).addcdiv_((m / (1 - b1**t)).to(p.dtype), denom.to(p.dtype), value=-lr)
+            direction = adam_direction(self.state[p], g, group["adam_betas"], group["adam_eps"])
+            p.mul_(1 - lr * wd).add_(direction.to(p.dtype), alpha=-lr)
 
     # ------------------------------------------------------------------ public randomness and resume
 
