@@ -102,20 +102,13 @@ def generate_and_score(module: Any, datamodule: Any) -> dict[str, float]:
 
 
 def run_one(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    from lightning.pytorch import LightningDataModule, LightningModule
-
-    from dplightning.cli import DPLightningCLI
+    from dplightning.cli import build_cli
 
     torch.set_num_threads(1)
     root = Path(args.root)
     (root / "no_guard.yaml").write_text(NO_GUARD_YAML)
-    cli = DPLightningCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
+    cli = build_cli(
         run=False,
-        save_config_callback=None,
         args=[
             "--config",
             BASE,

@@ -73,17 +73,10 @@ class Clock(pl.Callback):
 
 
 def measure(arm: str, steps: int, args: argparse.Namespace) -> dict[str, list[float]]:
-    from lightning.pytorch import LightningDataModule, LightningModule
+    from dplightning.cli import build_cli
 
-    from dplightning.cli import DPLightningCLI
-
-    cli = DPLightningCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
+    cli = build_cli(
         run=False,
-        save_config_callback=None,
         args=[
             "--config",
             BASE,

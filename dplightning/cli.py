@@ -43,15 +43,21 @@ class DPLightningCLI(LightningCLI):
             )
 
 
-def build_cli(args: list[str] | None = None) -> DPLightningCLI:
-    """Parse ``args`` (default: ``sys.argv``) and run the subcommand; return the CLI object."""
+def build_cli(args: list[str] | None = None, run: bool = True) -> DPLightningCLI:
+    """Parse ``args`` (default: ``sys.argv``) and run the subcommand; return the CLI object.
+
+    With ``run=False`` the args have no subcommand: the model, data and trainer are only built
+    (for scripts that drive the loop themselves), and no config file is saved.
+    """
+    saving: dict[str, Any] = {"save_config_kwargs": {"overwrite": True}} if run else {"save_config_callback": None}
     return DPLightningCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=args,
-        save_config_kwargs={"overwrite": True},
+        run=run,
+        **saving,
     )
 
 
