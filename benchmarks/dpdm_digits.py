@@ -13,7 +13,7 @@ Every DP run's ε comes from the strategy's own accountant after training. The F
 :class:`~dplightning.metrics.synthetic.LocalFeatures` network trained on the real training
 split: NOT comparable to Inception FID. The real test split is used only for the accuracies.
 
-    OMP_NUM_THREADS=1 /work/heavy .venv/bin/python benchmarks/dpdm_digits.py --out benchmarks/results/dpdm_digits.json
+    OMP_NUM_THREADS=1 python benchmarks/dpdm_digits.py --out benchmarks/results/dpdm_digits.json
 """
 
 from __future__ import annotations

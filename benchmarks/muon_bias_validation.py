@@ -5,7 +5,7 @@ chains. V2: the static bias table of §3.7 (64x128, singular values log-spaced i
 NS5 in fp32, then the NS calls in bf16). V3: the asymptotic order of the bias (singular values
 in [10, 31.6], NS in fp64, antithetic DP noise), as slopes of log-bias against log-τ.
 
-    OMP_NUM_THREADS=1 /work/heavy .venv/bin/python benchmarks/muon_bias_validation.py \\
+    OMP_NUM_THREADS=1 python benchmarks/muon_bias_validation.py \\
         --out benchmarks/results/muon_bias_validation.json
 
 Single-threaded. Each estimator here shares one f(U) between the probe scales (cheaper than the

@@ -7,7 +7,7 @@ file is split by meaning representation (train / val / test); the NLL curve is o
 the final NLL, BLEU and ROUGE-L on the test part (greedy decoding, one output per MR, all its
 references), both held out from training. Every run is a fresh process.
 
-    OMP_NUM_THREADS=1 /work/heavy .venv/bin/python benchmarks/muon_e2e.py --seeds 0 1 \\
+    OMP_NUM_THREADS=1 python benchmarks/muon_e2e.py --seeds 0 1 \\
         --out benchmarks/results/muon_e2e_cpu.json --figure docs/figures/dp_muon_e2e_nll.png
 """
 

@@ -9,7 +9,7 @@ each repeat. Per step: wall time (``perf_counter``) and this process's CPU time
 closure, where the per-example gradients, clipping and noise happen). Targets (issue 11):
 DP-Muon ≤ 1.15x and DP-MuonBC ≤ 1.5x DP-Adam.
 
-    OMP_NUM_THREADS=1 /work/heavy .venv/bin/python benchmarks/muon_step_time.py \\
+    OMP_NUM_THREADS=1 python benchmarks/muon_step_time.py \\
         --out benchmarks/results/muon_step_time_cpu.json
 """
 
