@@ -131,8 +131,14 @@ def environment(threads: int) -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
         "opacus": opacus.__version__, "dplightning": source(), "platform": platform.platform(),
         "cpu": models[0] if models else platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
-        "threads": threads, "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
+        "threads": threads, "env": _timing_env(),
     }  # fmt: skip
+
+
+def _timing_env() -> dict[str, str]:
+    """The timing-relevant variables; path-valued ones only as "set" (no machine paths in results)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    return {k: "set" if k in ("PYTHONPATH", "LD_PRELOAD") else v for k, v in env.items()}
 
 
 def source() -> dict[str, Any]:

@@ -25,6 +25,16 @@ from dplightning.cli import build_cli
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "finetune" / "sst2_minilm.yaml"
 LORA = ROOT / "configs" / "finetune" / "lora_encoder.yaml"
+OPTIMIZERS = {
+    # name: the optimizer block of a YAML overlay ({lr} is the arm's or --lr's learning rate).
+    # DPMuon's matrix lr is 20x: NS output's entries have RMS 1/sqrt(max side) (1/20 for MiniLM's
+    # 384-wide matrices), so lr 20x that of AdamW moves each entry about as far per step.
+    "adamw": "class_path: torch.optim.AdamW\n  init_args: {{lr: {lr}, weight_decay: 0.0}}",
+    "dp_grape": "class_path: dplightning.optim.DPGrape\n  init_args: {{lr: {lr}, scale: rms}}",
+    "dp_muon": "class_path: dplightning.optim.DPMuon\n  init_args: {{lr: {muon_lr}, adam_lr: {lr}}}",
+    "dp_muonbc": "class_path: dplightning.optim.DPMuon\n"
+    "  init_args: {{lr: {muon_lr}, adam_lr: {lr}, bias_correction: true}}",
+}
 ARMS = {
     # name: (private, lora, learning rate); no tuning beyond these (one run each)
     "dp_full": (True, False, 5e-4),
@@ -45,10 +55,16 @@ def run_arm(
     pooling: str,
     lr: float | None,
     head_lr: float | None,
+    optimizer: str = "adamw",
 ) -> dict:
     private, lora, arm_lr = ARMS[name]
     lr = arm_lr if lr is None else lr
     args = ["fit", "--config", str(CONFIG), *(["--config", str(LORA)] if lora else [])]
+    block = OPTIMIZERS[optimizer].format(lr=lr, muon_lr=20 * lr).replace("\n", "\n    ")
+    overlay = Path("lightning_logs") / f"bench_sst2_{optimizer}.yaml"
+    overlay.parent.mkdir(parents=True, exist_ok=True)
+    overlay.write_text(f"model:\n  init_args:\n    optimizer:\n      {block}\n")
+    args += ["--config", str(overlay)]
     args += [
         f"--seed_everything={seed}",
         f"--trainer.max_steps={steps}",
@@ -57,7 +73,6 @@ def run_arm(
         f"--trainer.default_root_dir=lightning_logs/bench_sst2_{name}",
         f"--data.init_args.path={data}",
         f"--data.init_args.batch_size={batch_size}",
-        f"--model.init_args.optimizer.init_args.lr={lr}",
         f"--model.init_args.pooling={pooling}",
         f"--model.init_args.head_lr={'null' if head_lr is None else head_lr}",
     ]
@@ -76,6 +91,7 @@ def run_arm(
     eps = strategy.get_epsilon() if private else float("inf")
     return {
         "arm": name,
+        "optimizer": optimizer,
         "val_acc": float(metrics["val_acc"]),
         "epsilon": eps,
         "delta": getattr(strategy, "delta", None),
@@ -103,6 +119,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None, help="override the arm's learning rate")
     parser.add_argument("--head-lr", type=float, default=None, help="the classification head's own lr")
     parser.add_argument("--pooling", default="mean", choices=["mean", "model"], help="see DPSequenceClassifier")
+    parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="DP-Adam(W) or a DP optimizer")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "finetune_sst2_cpu.json"))
     args = parser.parse_args()
@@ -113,7 +130,8 @@ def main() -> None:
     results = json.loads(out.read_text()) if out.exists() else fresh
     for name in args.arms:
         settings = (args.seed, args.train_limit, args.noise_multiplier, args.pooling, args.lr, args.head_lr)
-        row = run_arm(name, args.steps, args.batch_size, args.data, *settings)
+        row = run_arm(name, args.steps, args.batch_size, args.data, *settings, optimizer=args.optimizer)
+        row["command"] = " ".join(["python", *sys.argv])
         results["runs"].append(row)
         out.write_text(json.dumps(results, indent=2) + "\n")  # after every arm: nothing lost if stopped
         print(json.dumps(row))

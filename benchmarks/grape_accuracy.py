@@ -56,6 +56,7 @@ def run_arm(
         "lr": opt.param_groups[0]["lr"], "rank": getattr(opt, "rank", None), "fit_seconds": round(fit_s, 1),
         "vit_layers": cli.model.model.model.config.num_hidden_layers,
         "refresh_every": getattr(opt, "refresh_every", None), "projection_std": getattr(opt, "projection_std", None),
+        "scale": getattr(opt, "scale", None),
     }  # fmt: skip
 
 
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=None, help="override DP-GRAPE's rank")
     parser.add_argument("--refresh-every", type=int, default=None, help="override DP-GRAPE's T")
     parser.add_argument("--projection-std", default=None, choices=["authors", "jl"], help="override DP-GRAPE's P scale")
+    parser.add_argument("--scale", default=None, help="override DP-GRAPE's lift scale (a number or 'rms')")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grape_accuracy_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -77,7 +79,7 @@ def main() -> None:
     results = json.loads(out.read_text()) if out.exists() else fresh
     for seed in args.seeds:
         for name in args.arms:
-            grape = {"refresh_every": args.refresh_every, "projection_std": args.projection_std}
+            grape = {"refresh_every": args.refresh_every, "projection_std": args.projection_std, "scale": args.scale}
             grape = {k: str(v) for k, v in grape.items() if v is not None}
             row = run_arm(name, seed, args.epochs, args.epsilon, args.lr, args.rank, grape)
             row["command"] = " ".join(["python", *sys.argv])
@@ -86,13 +88,15 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     groups: dict[tuple, list[float]] = {}
     for r in results["runs"]:
-        key = (r["arm"], r["lr"], r["rank"], r.get("refresh_every"), r.get("projection_std"), r["steps"])
+        settings = (r.get("refresh_every"), r.get("projection_std"), r.get("scale"))
+        key = (r["arm"], r["lr"], r["rank"], *settings, r["steps"])
         groups.setdefault(key, []).append(r["test_acc"])
-    print(f"{'arm':<10}{'lr':>8}{'rank':>6}{'T':>5}{'P std':>9}{'steps':>7}{'runs':>6}{'mean acc':>10}{'sd':>8}")
-    for (arm, lr, rank, t, std, steps), accs in groups.items():
+    header = f"{'arm':<10}{'lr':>8}{'rank':>6}{'T':>5}{'P std':>9}{'scale':>6}{'steps':>7}"
+    print(f"{header}{'runs':>6}{'mean acc':>10}{'sd':>8}")
+    for (arm, lr, rank, t, std, scale, steps), accs in groups.items():
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
         mean = statistics.fmean(accs)
-        cells = f"{arm:<10}{lr:>8.4g}{rank or '-':>6}{t or '-':>5}{std or '-':>9}{steps:>7}"
+        cells = f"{arm:<10}{lr:>8.4g}{rank or '-':>6}{t or '-':>5}{std or '-':>9}{scale or '-':>6}{steps:>7}"
         print(f"{cells}{len(accs):>6}{mean:>10.4f}{sd:>8.4f}")
 
 

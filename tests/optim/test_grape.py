@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from transformers.pytorch_utils import Conv1D
 
 from dplightning.optim import DPGrape
-from dplightning.optim.grape import gaussian_projection
+from dplightning.optim.grape import RandomProjection, gaussian_projection
 from dplightning.privacy.grad_sample import Factored, PerExampleHooks, available_engines
 from dplightning.privacy.noise import GaussianNoise
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer, params_of, run_ddp
@@ -45,7 +45,8 @@ class Net(nn.Module):
 def _projected(opt: DPGrape, p: nn.Parameter, g: Tensor) -> Tensor:
     """P applied to per-example gradients ``[n, *p.shape]``, with P regenerated independently."""
     proj = opt.projections[p]
-    matrix = gaussian_projection(opt.seed, proj.name, opt.refresh_index, opt.rank, proj.width, g.device)
+    args = (opt.seed, proj.name, opt.refresh_index, opt.rank, proj.width, g.device, opt.projection_std)
+    matrix = gaussian_projection(*args)
     flat = g.reshape(g.shape[0], p.shape[0], -1)
     return flat @ matrix.T if proj.side == "right" else matrix @ flat
 
@@ -111,8 +112,8 @@ def test_p_is_regenerated_identically_and_changes_every_t_steps() -> None:
         assert torch.equal(a, b)
 
 
-def test_p_has_entries_of_std_one_over_r() -> None:
-    p = gaussian_projection(0, "w", 0, 16, 4096, torch.device("cpu"))
+def test_p_has_entries_of_std_one_over_r_or_the_jl_scale() -> None:
+    p = gaussian_projection(0, "w", 0, 16, 4096, torch.device("cpu"), std="authors")
     assert p.std().item() == pytest.approx(1 / 16, rel=0.02)
     g = torch.randn(256, 4096, generator=torch.Generator().manual_seed(0))  # 4096 chi² terms: ~2 % sd
     assert ((g @ p.T).square().sum() / g.square().sum()).item() == pytest.approx(1 / 16, rel=0.08)  # E‖GPᵀ‖² = ‖G‖²/r
@@ -120,6 +121,19 @@ def test_p_has_entries_of_std_one_over_r() -> None:
     assert ((g @ jl.T).square().sum() / g.square().sum()).item() == pytest.approx(1, rel=0.08)  # norms kept
     with pytest.raises(ValueError, match="projection std"):
         DPGrape(Net().parameters(), projection_std="1/r")
+
+
+@pytest.mark.parametrize("std", ["authors", "jl"])
+def test_rms_scale_gives_the_lifted_update_the_slot_updates_rms(std: str) -> None:
+    """Adam's slot update has entries of RMS ~1; lifted with P they have √r·std(P) of it, until ``scale="rms"``."""
+    opt = DPGrape(Net().parameters(), rank=16, projection_std=std, scale="rms")
+    lift = RandomProjection(opt, "w", torch.Size((512, 1024)), "right")
+    signs = torch.randint(0, 2, (512, 16), generator=torch.Generator().manual_seed(0)).float() * 2 - 1
+    assert (lift.lift(signs) * opt.lift_scale).square().mean().sqrt().item() == pytest.approx(1, rel=0.03)
+    plain = DPGrape(Net().parameters(), rank=16, projection_std=std)
+    assert plain.lift_scale == 1.0  # the authors' code: no rescaling after back-projection
+    with pytest.raises(ValueError, match="scale"):
+        DPGrape(Net().parameters(), scale=0.0)
 
 
 class _Identity(DPGrape):
@@ -187,10 +201,15 @@ def _reference_release(
     return out
 
 
-def test_joint_release_is_clipped_once_and_noised_once_and_the_update_is_lifted() -> None:
+LIFTS = [("jl", 1.0, 1.0), ("authors", 1.0, 1.0), ("authors", "rms", RANK**0.5)]  # (P std, scale, expected factor)
+
+
+@pytest.mark.parametrize(("std", "scale", "factor"), LIFTS)
+def test_joint_release_is_clipped_once_and_noised_once_and_the_update_is_lifted(std: str, scale, factor: float) -> None:
     sigma, c, lr = 0.7, 0.05, 0.01
     torch.manual_seed(0)
-    module = TinyModule(net=_square_net(), optimizer=lambda params: _KeepsRelease(params, lr=lr, rank=RANK))
+    keeps = lambda params: _KeepsRelease(params, lr=lr, rank=RANK, projection_std=std, scale=scale)  # noqa: E731
+    module = TinyModule(net=_square_net(), optimizer=keeps)
     before = params_of(module)
     make_trainer(dp(noise_multiplier=sigma, max_grad_norm=c, seed=5)).fit(
         module, DataLoader(make_dataset(N), batch_size=N)
@@ -212,7 +231,7 @@ def test_joint_release_is_clipped_once_and_noised_once_and_the_update_is_lifted(
         g = slots[p]
         direction = g / (g.abs() + 1e-6)
         if p in opt.projections:
-            direction = opt.projections[p].lift(direction)
+            direction = opt.projections[p].lift(direction) * factor
         torch.testing.assert_close(p.detach(), before[name] - lr * direction, rtol=1e-5, atol=1e-7, msg=name)
 
 
