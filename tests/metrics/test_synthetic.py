@@ -48,3 +48,29 @@ def test_an_unknown_classifier_is_refused(digits) -> None:
     (x, y), _ = digits
     with pytest.raises(ValueError, match="Unknown classifier"):
         train_classifier(x, y, kind="resnet")
+
+
+def test_inception_fid_feeds_gray_images_as_three_channels_or_names_what_is_missing(digits, monkeypatch) -> None:
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    from dplightning.metrics import synthetic
+
+    (x, _), (xt, _) = digits
+    try:  # on a machine with torch-fidelity and its weights this is the real network
+        synthetic.inception_features()
+    except RuntimeError as err:
+        assert "torch-fidelity" in str(err) and "feature='local'" in str(err)
+    seen: list[tuple[int, ...]] = []
+
+    class ColourStats(torch.nn.Module):  # stands in for Inception: what it is fed, and 6 colour statistics
+        num_features = 6
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            seen.append(tuple(images.shape[1:]))
+            flat = images.flatten(2)
+            return torch.cat([flat.mean(-1), flat.std(-1)], 1).double()
+
+    stand_in = FrechetInceptionDistance(feature=ColourStats(), normalize=True)
+    monkeypatch.setattr(synthetic, "inception_features", lambda: stand_in)
+    assert frechet_distance(x[:200], xt[:200], "inception") >= 0
+    assert set(seen) == {(3, 8, 8)}  # 1-channel digits expanded to RGB, as Inception needs

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor
@@ -167,3 +169,25 @@ def test_a_short_dp_run_on_digits_lowers_the_loss_and_writes_samples(tmp_path) -
     assert images_.shape == (20, 1, 8, 8) and labels.tolist() == [i % 10 for i in range(20)]
     assert 0 <= float(images_.min()) and float(images_.max()) <= 1 and float(images_.std()) > 0
     assert (tmp_path / "synthetic" / "grid.png").is_file()
+
+
+def test_sample_grids_are_written_every_n_epochs_and_reach_a_logger_that_takes_images(tmp_path) -> None:
+    class ImageLogger(pl.loggers.CSVLogger):  # the add_images call of TensorBoard's SummaryWriter, recorded
+        def __init__(self, root: str) -> None:
+            super().__init__(root)
+            self.images: list[tuple[str, tuple[int, ...], int]] = []
+
+        @property
+        def experiment(self):
+            experiment = super().experiment
+            experiment.add_images = lambda tag, x, step: self.images.append((tag, tuple(x.shape), step))
+            return experiment
+
+    module = DPDiffusion(tiny_net(), num_classes=3, sampling_steps=2, grid_every_n_epochs=2)
+    logger = ImageLogger(str(tmp_path))
+    trainer = make_trainer(dp(accountant="gdp"), max_epochs=4, max_steps=-1, logger=logger, limit_val_batches=1)
+    trainer.fit(module, DataLoader(images(8), batch_size=8), DataLoader(images(8), batch_size=8))
+    written = sorted(p.name for p in (Path(trainer.log_dir) / "samples").glob("*.png"))
+    assert written == ["epoch=1.png", "epoch=3.png"]  # after the 2nd and 4th epochs
+    assert [(tag, step) for tag, _, step in logger.images] == [("samples", 1), ("samples", 3)]
+    assert logger.images[0][1] == (30, 1, 4, 4)  # 10 per class, 3 classes
