@@ -50,11 +50,18 @@ _OPT = {
 _LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 
-def case_config(model: dict[str, Any], lora: dict[str, Any] | None, precision: str = "32-true") -> dict[str, Any]:
+def case_config(
+    model: dict[str, Any],
+    lora: dict[str, Any] | None,
+    precision: str = "32-true",
+    optimizer: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A fit config mapping for one case (batch 16 x 64 tokens)."""
     init: dict[str, Any] = {"config": model}
     if lora is not None:
         init["lora"] = lora
+    if optimizer is not None:
+        init["optimizer"] = optimizer
     return {
         "trainer": {
             "accelerator": "cpu",
@@ -74,6 +81,7 @@ CASES = {
     "opt_full": case_config(_OPT, None),
     "opt_lora": case_config(_OPT, _LORA),
     "gpt2_full_bf16": case_config(_GPT2, None, "bf16-mixed"),
+    "opt_dp_grape": case_config(_OPT, None, optimizer={"class_path": "dplightning.optim.DPGrape", "init_args": {}}),
 }
 
 
@@ -89,6 +97,18 @@ def _datamodule(batch_size: int, tokens: int, vocab: int) -> Any:
             return DataLoader(rows, batch_size=batch_size, shuffle=True)  # type: ignore[arg-type]
 
     return Tokens()
+
+
+def _optimizer(model_args: dict[str, Any]) -> Any:
+    """The case's optimizer as a callable of the parameters (``None``: the module's default)."""
+    import functools
+    import importlib
+
+    spec = model_args.get("optimizer")
+    if spec is None:
+        return None
+    module, _, name = spec["class_path"].rpartition(".")
+    return functools.partial(getattr(importlib.import_module(module), name), **spec.get("init_args", {}))
 
 
 def _trace_peak(trace: Path) -> float:
@@ -113,7 +133,7 @@ def measure(config: dict[str, Any], steps: int = 3) -> dict[str, float]:
     data = config["data"]["init_args"]
     model_args = config["model"]["init_args"]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        module = DPCausalLM(config=model_args["config"], lora=model_args.get("lora"))
+        module = DPCausalLM(config=model_args["config"], lora=model_args.get("lora"), optimizer=_optimizer(model_args))
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=1,

@@ -562,6 +562,14 @@ def activation_bytes(d: Dims, prec: Precision, roles: set[str], rows: int, token
 # ---------------------------------------------------------------- the engines' per-example state
 
 
+def forms_slot(layer: Layer, proj: Projected | None, engine: str, tokens: int, grad_bytes: int) -> bool:
+    """Whether ``auto`` holds this projected layer's slot formed (fp32) instead of its factors (``Auto.settle``)."""
+    if proj is None or engine != "auto" or not layer.factored(engine, tokens):
+        return False
+    widths = (layer.out_width + proj.rank) if proj.side == "right" else (proj.rank + layer.in_width)
+    return proj.slot * 4 < tokens * widths * grad_bytes
+
+
 def engine_store(
     layers: Sequence[Layer],
     prec: Precision,
@@ -573,7 +581,8 @@ def engine_store(
     """``(Δ and factor copies kept by book-keeping, formed per-example gradients)`` in bytes.
 
     A weight a DP-GRAPE plan projects keeps Δ Pᵀ (r wide) instead of Δ when projected on the
-    left (A stays, counted with the held inputs), and forms only its projected slot.
+    left (A stays, counted with the held inputs), and forms only its projected slot; under
+    ``auto`` it holds the formed fp32 slot instead when that is smaller (:func:`forms_slot`).
     """
     kept = formed = 0
     projected = projected or {}
@@ -581,7 +590,9 @@ def engine_store(
         grad_bytes = prec.compute if layer.kind == "linear" else prec.param
         formed += rows * layer.other * grad_bytes
         proj = projected.get(layer.name)
-        if layer.factored(engine, tokens):
+        if forms_slot(layer, proj, engine, tokens, grad_bytes):
+            formed += rows * proj.slot * 4
+        elif layer.factored(engine, tokens):
             copy = layer.in_width * prec.compute if prec.mixed and layer.fp32_input else 0
             width = proj.rank if proj is not None and proj.side == "left" else layer.out_width
             kept += rows * tokens * (width * grad_bytes + copy)
@@ -858,6 +869,9 @@ def assemble(sv: Survey, sigmas: float = DEFAULT_SIGMAS, accumulate: int | None 
     states = optimizer_states(s.optimizer, s.optimizer_args)
     head = any(x.name.endswith(("lm_head", "score", "classifier.out_proj")) for x in sv.layers)
     alive, held = activation_bytes(sv.dims, s.precision, sv.roles, rows, s.max_length, head)
+    # A formed slot frees its layer's input after that layer's backward, not before: the end
+    # of the forward still has it, the end of the backward does not.
+    _, held = activation_bytes(sv.dims, s.precision, sv.roles - formed_roles(sv, s), rows, s.max_length, head)
     components = [
         *_static(s, sv.parameters, sv.trainable, states, sv.slots),
         *_forward(s, sv.dims, sv.matmul, rows, alive),
@@ -886,13 +900,28 @@ def assemble(sv: Survey, sigmas: float = DEFAULT_SIGMAS, accumulate: int | None 
     )
 
 
+def formed_roles(sv: Survey, s: Settings) -> set[str]:
+    """Roles (``ROLES``) whose every trained consumer forms its projected slot: no hook holds their input."""
+    paths = ROLES.get(sv.dims.arch, ROLES["opt"])
+    out = set()
+    for role in sv.roles:
+        consumers = [x for x in sv.layers if x.weight and any(x.name.endswith(f".{q}") for q in paths[role])]
+        bytes_of = {x.name: s.precision.compute if x.kind == "linear" else s.precision.param for x in consumers}
+        if consumers and all(
+            forms_slot(x, sv.projected.get(x.name), s.engine, s.max_length, bytes_of[x.name]) for x in consumers
+        ):
+            out.add(role)
+    return out
+
+
 def _notes(sv: Survey, s: Settings) -> list[str]:
     notes = [f"architecture: {sv.dims.arch}, {sv.dims.layers} layers, from the {sv.source}"]
     if sv.slots is not None:
         rank = next(iter(sv.projected.values())).rank if sv.projected else 0
         notes.append(
             f"DP-GRAPE: {len(sv.projected)} weights projected to rank {rank}; {sv.slots:,} slot elements "
-            f"(of {sv.trainable:,} trainable); the held inputs A of right-projected layers are counted in full"
+            f"(of {sv.trainable:,} trainable); under auto a slot smaller than its factors is formed in the "
+            "backward and frees them (Auto.settle), otherwise the held inputs A are counted in full"
         )
     if not s.poisson:
         notes.append("poisson_sampling is off: fixed batches, no margin")

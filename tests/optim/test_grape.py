@@ -84,6 +84,30 @@ def test_projected_per_example_gradient_is_p_times_torch_func(engine: str, token
         torch.testing.assert_close(got.instantiate(), expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("tokens", [2, 24])
+def test_auto_holds_a_projected_slot_formed_when_smaller_than_its_factors(tokens: int) -> None:
+    """n·a·r floats formed vs n·T·(a + r) held: at T = 24 forming frees the factors; at T = 2 it would not."""
+    torch.manual_seed(0)
+    model = Net(features=16, hidden=32)
+    x, y = torch.randn(N, tokens, 16), torch.arange(N) % 3
+    opt = DPGrape(model.parameters(), rank=RANK)
+    opt.dp_bind_module(model)
+    named = list(model.named_parameters())
+    plan = opt.dp_plan(named, 1.0)
+    hooks = PerExampleHooks(model, [p for _, p in named], engine="auto", transforms=plan.transforms)
+    try:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        grads = hooks.pop()
+    finally:
+        hooks.close()
+    reference = per_example_grads(model, F.cross_entropy, x, y)
+    for name, p in named:
+        if p in plan.transforms:
+            assert isinstance(grads[p], Factored) == (tokens == 2), name
+            expected = _projected(opt, p, reference[name])
+            torch.testing.assert_close(grads[p].instantiate(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_p_is_regenerated_identically_and_changes_every_t_steps() -> None:
     model = Net()
     first, second = (DPGrape(model.parameters(), rank=RANK, refresh_every=2, seed=7) for _ in range(2))

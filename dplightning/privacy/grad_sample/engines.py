@@ -12,7 +12,9 @@ weighted sums. Engines are registered by name and chosen per layer, first match 
   less memory, and the clipped sum by one matrix product (Bu et al., arXiv 2210.00038).
   Biases and norm affines are small and formed. Other layers fall back to ``instantiate``.
 * ``auto`` (default): book-keeping where the ghost norm pays (2T² < a·b for the layer's
-  a×b weight and T tokens), instantiation otherwise, decided per call.
+  a×b weight and T tokens), instantiation otherwise, decided per call; a slot gradient of
+  an optimizer's plan (a projection) is formed as soon as that takes less memory than
+  its factors.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import ClassVar
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dplightning.privacy.grad_sample.grads import Dense, Factored, PerExampleGrad
+from dplightning.privacy.grad_sample.grads import Dense, Factored, PerExampleGrad, Summed
 from dplightning.privacy.grad_sample.samplers import LayerCall, functorch_grad_sample, registered_sampler
 
 OutputGrads = list["Tensor | None"]
@@ -46,6 +48,10 @@ class Engine(ABC):
     @abstractmethod
     def describe(self, layer: nn.Module) -> str:
         """How this engine handles ``layer`` (one cell of the setup summary)."""
+
+    def settle(self, grad: PerExampleGrad) -> PerExampleGrad:
+        """The form in which a transformed (slot) gradient is held until the clipped sum (default: as is)."""
+        return grad
 
 
 _ENGINES: dict[str, type[Engine]] = {}
@@ -196,6 +202,21 @@ class Auto(BookKeeping):
 
     def factor(self, layer: nn.Module, call: LayerCall, grad: Tensor) -> bool:
         return 2 * weight_tokens(layer, call, grad) ** 2 < math.prod(layer.weight.shape)
+
+    def settle(self, grad: PerExampleGrad) -> PerExampleGrad:
+        """Form a projected slot's g_i when that is smaller than its factors (DP-GRAPE: n·m·r vs n·T·(m + r)).
+
+        The factors are the layer's output gradient Δ and input A, one of them projected; held
+        until the clipped sum they outlive autograd's use of them, for every projected layer
+        at once. The formed slot frees them right away: the memory the projection exists for.
+        """
+        if isinstance(grad, Summed):
+            return Summed([self.settle(part) for part in grad.parts])
+        if not isinstance(grad, Factored):
+            return grad
+        held = grad.left.numel() * grad.left.element_size() + grad.right.numel() * grad.right.element_size()
+        formed = grad.rows * math.prod(grad.shape) * 4  # instantiate() is fp32
+        return Dense(grad.instantiate()) if formed < held else grad
 
     def describe(self, layer: nn.Module) -> str:
         if factored_kind(layer) is None:

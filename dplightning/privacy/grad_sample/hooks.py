@@ -224,7 +224,7 @@ class PerExampleHooks:
             if isinstance(g, Dense) and g.rows != rows:  # some samplers answer an empty batch with one row of zeros
                 g = Dense(g.value[:rows])
             if p in self.transforms:
-                g = self.transforms[p].apply(g)
+                g = self.engine.settle(self.transforms[p].apply(g))
             self._grads.setdefault(p, []).append(g)
         self._outstanding[layer] -= 1
         if self._outstanding[layer] == 0 and self.on_layer_done is not None:
