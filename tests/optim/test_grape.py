@@ -16,6 +16,7 @@ from dplightning.optim import DPGrape
 from dplightning.optim.grape import RandomProjection, gaussian_projection
 from dplightning.privacy.grad_sample import Factored, PerExampleHooks, available_engines
 from dplightning.privacy.noise import GaussianNoise
+from dplightning.protocols import DPPlan
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer, params_of, run_ddp
 from tests.reference import per_example_grads
 
@@ -51,6 +52,20 @@ def _projected(opt: DPGrape, p: nn.Parameter, g: Tensor) -> Tensor:
     return flat @ matrix.T if proj.side == "right" else matrix @ flat
 
 
+def _planned_grads(model: nn.Module, x: Tensor, y: Tensor, engine: str) -> tuple[DPGrape, DPPlan, dict]:
+    """DPGrape's plan for ``model`` and the per-example slot gradients of one backward under ``engine``."""
+    named = list(model.named_parameters())
+    opt = DPGrape(model.parameters(), rank=RANK)
+    opt.dp_bind_module(model)
+    plan = opt.dp_plan(named, 1.0)
+    hooks = PerExampleHooks(model, [p for _, p in named], engine=engine, transforms=plan.transforms)
+    try:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        return opt, plan, hooks.pop()
+    finally:
+        hooks.close()
+
+
 @pytest.mark.parametrize("engine", available_engines())
 @pytest.mark.parametrize("tokens", [None, 5], ids=["2d-input", "3d-input"])
 @pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "hf-conv1d"])
@@ -60,17 +75,9 @@ def test_projected_per_example_gradient_is_p_times_torch_func(engine: str, token
     x = torch.randn(N, *([tokens] if tokens else []), 6)
     y = torch.arange(N) % 3
     named = list(model.named_parameters())
-    opt = DPGrape(model.parameters(), rank=RANK)
-    opt.dp_bind_module(model)
-    plan = opt.dp_plan(named, 1.0)
+    opt, plan, grads = _planned_grads(model, x, y, engine)
     assert {opt.projections[p].name for p in plan.transforms} == {"up.weight", "down.weight"}
     assert {opt.projections[p].side for p in plan.transforms} == {"left", "right"}  # both orientations
-    hooks = PerExampleHooks(model, [p for _, p in named], engine=engine, transforms=plan.transforms)
-    try:
-        F.cross_entropy(model(x), y, reduction="sum").backward()
-        grads = hooks.pop()
-    finally:
-        hooks.close()
     reference = per_example_grads(model, F.cross_entropy, x, y)
     for name, p in named:
         got = grads[p]
@@ -90,18 +97,9 @@ def test_auto_holds_a_projected_slot_formed_when_smaller_than_its_factors(tokens
     torch.manual_seed(0)
     model = Net(features=16, hidden=32)
     x, y = torch.randn(N, tokens, 16), torch.arange(N) % 3
-    opt = DPGrape(model.parameters(), rank=RANK)
-    opt.dp_bind_module(model)
-    named = list(model.named_parameters())
-    plan = opt.dp_plan(named, 1.0)
-    hooks = PerExampleHooks(model, [p for _, p in named], engine="auto", transforms=plan.transforms)
-    try:
-        F.cross_entropy(model(x), y, reduction="sum").backward()
-        grads = hooks.pop()
-    finally:
-        hooks.close()
+    opt, plan, grads = _planned_grads(model, x, y, "auto")
     reference = per_example_grads(model, F.cross_entropy, x, y)
-    for name, p in named:
+    for name, p in model.named_parameters():
         if p in plan.transforms:
             assert isinstance(grads[p], Factored) == (tokens == 2), name
             expected = _projected(opt, p, reference[name])
