@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from dplightning.optim._adam import adam_direction
+from dplightning.optim._release import closure_and_release
 from dplightning.privacy.grad_sample.grads import Factored
 from dplightning.privacy.grad_sample.transforms import Projection, SlotTransform
 from dplightning.privacy.noise import derive_seed
@@ -55,8 +56,12 @@ def gaussian_projection(
     if std not in ("authors", "jl"):
         raise ValueError(f"projection std must be 'authors' or 'jl', got {std!r}.")
     generator = torch.Generator(device=device).manual_seed(derive_seed(seed, "dp-grape", name, refresh))
-    scale = 1 / rank if std == "authors" else 1 / math.sqrt(rank)
-    return torch.randn(rank, width, generator=generator, device=device) * scale
+    return torch.randn(rank, width, generator=generator, device=device) * entry_std(rank, std)
+
+
+def entry_std(rank: int, std: str) -> float:
+    """The standard deviation of P's entries: 1/rank (``"authors"``) or 1/√rank (``"jl"``)."""
+    return 1 / rank if std == "authors" else 1 / math.sqrt(rank)
 
 
 class RandomProjection(SlotTransform):
@@ -190,8 +195,7 @@ class DPGrape(torch.optim.Optimizer):
         if self.scale != "rms":
             return float(self.scale)
         # U = N P sums r products with P's entries: RMS(U) = √r · std · RMS(N); undo it.
-        std = 1 / self.rank if self.projection_std == "authors" else 1 / math.sqrt(self.rank)
-        return 1 / (math.sqrt(self.rank) * std)
+        return 1 / (math.sqrt(self.rank) * entry_std(self.rank, self.projection_std))
 
     def projection_matrix(self, name: str, refresh: int, width: int, device: torch.device) -> Tensor:
         """P of ``name`` at refresh ``refresh``: ``[rank, width]`` at ``projection_std`` (override to change)."""
@@ -242,11 +246,7 @@ class DPGrape(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW step on the released noisy means; projected updates are mapped back with P."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()  # the DP strategy releases inside the closure
-        release, self._release = self._release, None
+        loss, release = closure_and_release(self, closure)
         if release is None:
             raise RuntimeError(
                 "DPGrape got no DP release: it only trains under Trainer(strategy='dp') or 'dp_ddp', which clip "

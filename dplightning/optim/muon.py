@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from dplightning.optim._adam import adam_direction
+from dplightning.optim._release import closure_and_release
 from dplightning.optim.bias_correction import MOMENTUM_FORMS, MomentumForm, momentum_noise_variance, orthogonalize
 from dplightning.optim.newton_schulz import NORMALIZATIONS, Normalization
 from dplightning.privacy.clipping import ClipGroup
@@ -165,11 +166,7 @@ class DPMuon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Momentum + NS (+ BC) for the Muon matrices, AdamW for the rest, from the release or ``p.grad``."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()  # under a DP strategy the release arrives inside the closure
-        release, self._release = self._release, None
+        loss, release = closure_and_release(self, closure)
         if self._planned and release is None:
             raise RuntimeError(
                 "DPMuon has a DP plan but received no release before step(): the noise std needed for its "

@@ -868,7 +868,7 @@ def assemble(sv: Survey, sigmas: float = DEFAULT_SIGMAS, accumulate: int | None 
     rows = physical_batch(s.batch_size, s.accumulate, sigmas, s.poisson)
     states = optimizer_states(s.optimizer, s.optimizer_args)
     head = any(x.name.endswith(("lm_head", "score", "classifier.out_proj")) for x in sv.layers)
-    alive, held = activation_bytes(sv.dims, s.precision, sv.roles, rows, s.max_length, head)
+    alive, _ = activation_bytes(sv.dims, s.precision, sv.roles, rows, s.max_length, head)
     # A formed slot frees its layer's input after that layer's backward, not before: the end
     # of the forward still has it, the end of the backward does not.
     _, held = activation_bytes(sv.dims, s.precision, sv.roles - formed_roles(sv, s), rows, s.max_length, head)
