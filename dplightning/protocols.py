@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -182,6 +182,22 @@ class MultiRowUnits(Protocol):
     """
 
     dp_rows_per_unit: int
+
+
+@runtime_checkable
+class CountsExamples(Protocol):
+    """A LightningModule that says how many privacy units a training batch holds.
+
+    The strategy must know the count n of every batch: it checks that each layer's input
+    has n rows (or n·K for multi-row units) and scales a mean loss back to each unit's own
+    gradient. It finds n as the leading dimension of the first tensor of a tensor, mapping,
+    list, tuple or dataclass batch; a module whose batches are other objects defines
+    ``dp_batch_size``, or training is refused.
+    """
+
+    def dp_batch_size(self, batch: Any) -> int:
+        """The number of privacy units in ``batch`` (0 for an empty Poisson batch)."""
+        ...
 
 
 _S = TypeVar("_S")

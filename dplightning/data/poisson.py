@@ -9,6 +9,8 @@ included: every rank yields the same number of batches, so no rank waits for ano
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -192,13 +194,18 @@ def check_poisson_compatible(dataloader: DataLoader) -> None:
 
 
 def batch_rows(batch: Any) -> int | None:
-    """Leading dimension of the first tensor in ``batch`` (the number of examples)."""
+    """Leading dimension of the first tensor in ``batch`` (the number of examples); ``None`` if there is none.
+
+    Looks into tensors, mappings, lists, tuples (named ones too) and dataclasses, in order.
+    """
     if isinstance(batch, Tensor):
         return batch.shape[0] if batch.dim() > 0 else None
     if isinstance(batch, Mapping):
         items: Sequence[Any] = list(batch.values())
     elif isinstance(batch, (list, tuple)):
         items = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     else:
         return None
     for item in items:

@@ -41,12 +41,13 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible
+from dplightning.data.provenance import data_provenance
 from dplightning.privacy.accounting import PrivacyLedger
 from dplightning.privacy.clipping import ClipGroup
 from dplightning.privacy.grad_sample.validation import warn_on_batch_mean_loss
 from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise
-from dplightning.protocols import ShowsEpsilon
+from dplightning.protocols import CountsExamples, ShowsEpsilon
 from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount
 from dplightning.strategies.accounting import PrivacyAccounting, library_versions
 from dplightning.strategies.checkpoint import atomic_save, is_local_path
@@ -202,7 +203,9 @@ class _DPHooks(Strategy):
 
         Besides the accounting state it records what ``dplightning privacy-report`` shows: the
         exact ε at the run's δ when the checkpoint was written, the engine of every layer, the
-        privacy unit, the world size, whether a test seed was used and the library versions.
+        privacy unit (as the data declares it, :mod:`dplightning.data.provenance`), what the data
+        computed outside the DP steps, the world size, whether a test seed was used and the
+        library versions.
         """
         state = self.accounting.state_dict()
         delta = self.accounting.delta
@@ -212,6 +215,7 @@ class _DPHooks(Strategy):
         state["seeded"] = self.dp_config.seed is not None  # never the seed itself
         state["world_size"] = self.world_size
         state["rows_per_unit"] = self._rows_per_unit
+        state.update(data_provenance(self._trainer, self._rows_per_unit))  # the data's privacy unit, not covered
         state["layer_engines"] = dict(self._engines)
         state["nonfinite_examples"] = self.nonfinite_examples
         state["versions"] = library_versions()
@@ -445,8 +449,7 @@ class _DPHooks(Strategy):
                 "Under DP, manual optimization must call opt.step() exactly once per training batch, after its "
                 "backward passes; the previous batch ran manual_backward without an opt.step() after it."
             )
-        batch = args[0] if args else kwargs.get("batch")
-        units = batch_rows(batch)
+        units = _batch_units(module, args[0] if args else kwargs.get("batch"))
         self._batches_since_release += 1
         # Empty Poisson batches run training_step too: under dp_ddp every rank must reach the same
         # collectives (self.log(sync_dist=True), all_gather, metric syncs) whatever its local batch.
@@ -545,6 +548,29 @@ def _dataset_size(dataloader: DataLoader) -> int:
     if n == 0:
         raise ValueError("The train dataset is empty (N = 0): there is nothing to train on and q is undefined.")
     return n
+
+
+def _batch_units(module: nn.Module, batch: Any) -> int:
+    """The number of privacy units in ``batch``: the module's ``dp_batch_size`` or the first tensor's rows.
+
+    Raises:
+        TypeError: If neither gives a count: the layer-input check and the scale of a mean
+            loss need it, and are never skipped.
+    """
+    if isinstance(module, CountsExamples):
+        units = module.dp_batch_size(batch)
+        if isinstance(units, bool) or not isinstance(units, int) or units < 0:
+            raise ValueError(f"dp_batch_size(batch) must return an int >= 0 (privacy units in the batch), got {units!r}")
+        return units
+    units = batch_rows(batch)
+    if units is None:
+        raise TypeError(
+            f"Cannot tell how many examples a training batch of type {type(batch).__name__} holds (no tensor in it "
+            "as a tensor, mapping, list, tuple or dataclass). DP training needs the count to check that every layer "
+            "sees one row per example and to scale a mean loss. Define `dp_batch_size(self, batch) -> int` on "
+            f"{type(module).__name__} returning the number of privacy units in the batch."
+        )
+    return units
 
 
 def _rows_per_unit(module: nn.Module) -> int:

@@ -147,7 +147,7 @@ class PrivateStep:
         return self.config.verify_gradients == "always" or self._verify_left > 0
 
     @contextmanager
-    def batch(self, units: int | None, rows_per_unit: int, automatic: bool, loss_divisor: int) -> Iterator[None]:
+    def batch(self, units: int, rows_per_unit: int, automatic: bool, loss_divisor: int) -> Iterator[None]:
         """Capture one training batch of ``units`` privacy units, ``rows_per_unit`` forward rows each.
 
         ``automatic``: automatic optimization (each backward pass covers a whole micro-batch);

@@ -7,6 +7,7 @@ core). The reference is the same module trained one step by Lightning without DP
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from dplightning.privacy.grad_sample import register_broadcast_embedding
 from tests.helpers import TinyModule, dp, make_trainer, params_of
 
 N = 12
@@ -153,18 +155,49 @@ def test_functorch_fallback_on_multihead_attention() -> None:
     assert_dp_step_is_the_autograd_step(Net(Attend()), _data(_x(4, 8)), grad_sample_mode="functorch")
 
 
-def test_broadcast_position_ids_are_looked_up_per_example() -> None:
-    class Positions(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok, self.pos, self.head = nn.Embedding(9, 4), nn.Embedding(5, 4), nn.Linear(4, 3)
+class _Positions(nn.Module):
+    """Token plus position embeddings, positions looked up as [1, T] ids (Hugging Face's default)."""
 
-        def forward(self, ids: Tensor) -> Tensor:
-            positions = torch.arange(ids.shape[1]).unsqueeze(0)  # [1, T], Hugging Face's default
-            return self.head((self.tok(ids) + self.pos(positions)).tanh().mean(1))
+    def __init__(self, combine: Callable[[Tensor, Tensor], Tensor]) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(9, 4), nn.Embedding(5, 4), nn.Linear(4, 3)
+        self.combine = combine
 
+    def forward(self, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)  # [1, T]
+        return self.head(self.combine(self.tok(ids), self.pos(positions)).tanh().mean(1))
+
+
+class _AddedPositions(_Positions):
+    def __init__(self) -> None:
+        super().__init__(lambda tokens, positions: tokens + positions)  # broadcast over the batch: exact per example
+
+
+register_broadcast_embedding(_AddedPositions, "pos")
+
+
+def test_declared_broadcast_position_ids_are_looked_up_per_example() -> None:
     ids = torch.randint(0, 9, (N, 5), generator=torch.Generator().manual_seed(2))
-    assert_dp_step_is_the_autograd_step(Net(Positions()), _data(ids))
+    assert_dp_step_is_the_autograd_step(Net(_AddedPositions()), _data(ids))
+
+
+@pytest.mark.parametrize(
+    "combine",
+    [
+        lambda tokens, positions: tokens + positions,  # exact, but not declared
+        lambda tokens, positions: tokens + positions[0],  # each copy but the first gets no gradient
+        lambda tokens, positions: tokens + positions.mean(0),  # every copy gets 1/n of the batch's
+    ],
+    ids=["added", "first-row", "mean"],
+)
+def test_undeclared_broadcast_embedding_is_refused_before_any_update(combine) -> None:
+    ids = torch.randint(0, 9, (N, 5), generator=torch.Generator().manual_seed(2))
+    module = Net(_Positions(combine))
+    before = params_of(module)
+    with pytest.raises(RuntimeError, match=r"'net\.pos'.*1 rows.*register_broadcast_embedding"):
+        _one_step(module, _data(ids), dp(max_grad_norm=NO_CLIP))
+    for name, p in module.named_parameters():
+        assert torch.equal(p, before[name]), name
 
 
 def test_layer_unfrozen_during_training_is_trained() -> None:
@@ -291,3 +324,83 @@ def test_embedding_options_that_couple_examples_are_refused() -> None:
     ids = torch.randint(0, 9, (N, 5), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="scale_grad_by_freq"):
         _one_step(Net(net), _data(ids), dp())
+
+
+# ------------------------------------------------------------------ batches of any type: the count is never unknown
+
+
+@dataclasses.dataclass
+class _DataclassBatch:
+    x: Tensor
+    y: Tensor
+
+
+class _OpaqueBatch:
+    """A batch object the strategy cannot look into."""
+
+    def __init__(self, x: Tensor, y: Tensor) -> None:
+        self.x, self.y = x, y
+
+
+class _ObjectBatches(Net):
+    """Net over batches collated into an object; optionally saying how many examples a batch holds."""
+
+    def __init__(self, net: nn.Module, counts: bool = False) -> None:
+        super().__init__(net)
+        if counts:
+            self.dp_batch_size = lambda batch: len(batch.x)
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        return self.loss_of(self.net, batch.x, batch.y)
+
+
+def _object_data(x: Tensor, batch_type: type) -> DataLoader:
+    y = torch.arange(len(x)) % 3
+
+    def collate(rows):
+        xs, ys = zip(*rows) if rows else ((), ())
+        return batch_type(torch.stack(xs) if xs else x[:0], torch.stack(ys) if ys else y[:0])
+
+    return DataLoader(TensorDataset(x, y), batch_size=len(x), shuffle=False, collate_fn=collate)
+
+
+class _SequenceFirst(nn.Module):
+    """A recurrent-style model whose Linear layer sees [T, n, d] (time first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.step(x.transpose(0, 1)).tanh()  # [T, n, d]
+        return self.head(h.mean(0))
+
+
+def test_dataclass_batch_is_counted_and_sequence_first_input_refused() -> None:
+    module = _ObjectBatches(_SequenceFirst())
+    before = params_of(module)
+    with pytest.raises(RuntimeError, match=r"'net\.step'.*6 rows.*12 examples.*sequence-first"):
+        _one_step(module, _object_data(torch.randn(N, 6, 4), _DataclassBatch), dp(max_grad_norm=NO_CLIP))
+    for name, p in module.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_batch_of_unknown_size_is_refused_naming_the_hook() -> None:
+    module = _ObjectBatches(_mlp())
+    before = params_of(module)
+    with pytest.raises(TypeError, match=r"_OpaqueBatch.*dp_batch_size"):
+        _one_step(module, _object_data(_x(6), _OpaqueBatch), dp(max_grad_norm=NO_CLIP))
+    for name, p in module.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_batch_counted_by_the_module_hook_gives_the_autograd_step() -> None:
+    # The mean loss is scaled back by the module's count: 12 examples, not 1.
+    assert_dp_step_is_the_autograd_step(_ObjectBatches(_mlp(), counts=True), _object_data(_x(6), _OpaqueBatch))
+
+
+def test_module_hook_must_return_a_count() -> None:
+    module = _ObjectBatches(_mlp(), counts=True)
+    module.dp_batch_size = lambda batch: 12.0
+    with pytest.raises(ValueError, match=r"dp_batch_size.*int >= 0.*12\.0"):
+        _one_step(module, _object_data(_x(6), _OpaqueBatch), dp(max_grad_norm=NO_CLIP))

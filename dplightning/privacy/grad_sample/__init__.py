@@ -6,6 +6,7 @@ parameter's per-example gradients as a :class:`PerExampleGrad`: formed (``Dense`
 factored (``Factored``, book-keeping), either way giving norms and weighted sums.
 """
 
+from dplightning.privacy.grad_sample.broadcast import register_broadcast_embedding
 from dplightning.privacy.grad_sample.engines import Engine, available_engines, make_engine, register_engine
 from dplightning.privacy.grad_sample.grads import Dense, Factored, PerExampleGrad, Summed
 from dplightning.privacy.grad_sample.hooks import PerExampleHooks
@@ -30,5 +31,6 @@ __all__ = [
     "available_engines",
     "make_engine",
     "register_batch_major_container",
+    "register_broadcast_embedding",
     "register_engine",
 ]

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from dplightning.privacy.grad_sample.broadcast import broadcast_embeddings
 from dplightning.privacy.grad_sample.engines import Engine, make_engine
 from dplightning.privacy.grad_sample.grads import Dense, PerExampleGrad, add
 from dplightning.privacy.grad_sample.samplers import LayerCall, batch_major_layers
@@ -98,8 +99,9 @@ class PerExampleHooks:
         self._handles: list[RemovableHandle] = []
         self.layers = self._layers(module)
         """The hooked layers, each with its privatized parameters."""
+        broadcast = broadcast_embeddings(module)
         for layer in self.layers:
-            if _is_plain_embedding(layer):
+            if _is_plain_embedding(layer) and layer in broadcast:
                 self._handles.append(layer.register_forward_pre_hook(self._expand_broadcast_batch))
             self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True))
 
@@ -140,9 +142,8 @@ class PerExampleHooks:
         return self.capturing and torch.is_grad_enabled() and layer in self.layers
 
     def _expand_broadcast_batch(self, layer: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        # Hugging Face's default position ids have shape [1, T] and are broadcast over the batch
-        # *after* the embedding, where autograd sums the examples' gradients. Looking the ids up
-        # once per example instead gives every example its own backprop; the output is the same.
+        # Exact only for the declared embeddings whose [1, T] lookup is added to a batch-first
+        # tensor (see broadcast.py): each example then backpropagates into its own copy.
         rows, ids = self.batch_rows, args[0] if args else None
         if not self._recording(layer) or not rows or rows <= 1 or not isinstance(ids, Tensor):
             return None
@@ -191,7 +192,9 @@ class PerExampleHooks:
             "examples, so its per-example gradients cannot be told apart. Either the layer is fed sequence-first "
             "input (batch_first=False: the privacy unit must be the batch's first dimension), or the model "
             "broadcasts a batch dimension of 1 over the batch after this layer (a tensor of shape [1, ...] shared "
-            "by all examples): pass that input with the batch dimension expanded to the batch size."
+            "by all examples): pass that input with the batch dimension expanded to the batch size (for an "
+            "embedding whose [1, ...] lookup is added to a batch-first tensor, see "
+            "dplightning.privacy.grad_sample.register_broadcast_embedding)."
         )
 
     @contextmanager
