@@ -5,7 +5,12 @@ dplightning export --ckpt lightning_logs/version_0/checkpoints/last.ckpt --out e
 writes, for a LoRA run, ``adapter/`` (a peft adapter folder) and ``merged/`` (the base
 model with the adapters merged in), and for full fine-tuning ``model/``; each folder has
 the tokenizer, ``privacy.json`` and a model card (``README.md``) stating the guarantee.
-The guarantee is recomputed from the checkpoint's privacy ledger, never copied from logs.
+The guarantee is recomputed from the checkpoint's privacy ledger, never copied from logs,
+after checking the ledger against the checkpoint's σ, q and global_step; ``privacy.json``
+and the card also state the privacy unit, what the data computed from the private training
+split outside the DP steps (``not_covered``: e.g. a tokenizer fitted on it) and whether a
+test seed was used. Exit status: 0, 2 without a privacy ledger, 3 if the ledger contradicts
+the checkpoint.
 """
 
 from __future__ import annotations
@@ -15,21 +20,26 @@ import importlib
 import inspect
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dplightning.data.provenance import describe_privacy_unit
 from dplightning.modules._hf_module import CLASS_KEY, CONFIG_KEY, HFModule
 from dplightning.privacy.accounting import compute_epsilon
 from dplightning.strategies._dp import CHECKPOINT_KEY
+from dplightning.strategies.accounting import SEEDED_RISK, InconsistentLedger, check_ledger
 
 
 def privacy_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The (ε, δ) guarantee and mechanism of a checkpoint, from its privacy ledger.
+    """The (ε, δ) guarantee, mechanism and provenance of a checkpoint, from its privacy ledger.
 
     Raises:
         ValueError: If the checkpoint has no privacy ledger (it was not trained with DP).
+        InconsistentLedger: If the ledger contradicts the checkpoint's record (its σ, q or
+            global_step): ε computed from it would not describe the run.
     """
     state = checkpoint.get(CHECKPOINT_KEY)
     if not state:
@@ -37,10 +47,12 @@ def privacy_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
             "The checkpoint has no privacy ledger: it was not trained by a dplightning DP strategy, so there is no "
             "guarantee to export. Train with strategy dp / dp_ddp."
         )
+    check_ledger(state, checkpoint.get("global_step"))
     ledger, delta = state["ledger"], float(state["delta"])
     steps = sum(int(t) for _, _, t in ledger["history"])
     poisson = state.get("poisson_sampling", True)
     epsilon = compute_epsilon(ledger["history"], delta, ledger["accountant"]) if poisson and steps else math.inf
+    unit = unit_record(state)
     return {
         "epsilon": epsilon,
         "delta": delta,
@@ -52,15 +64,20 @@ def privacy_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
         "max_grad_norm": state.get("max_grad_norm"),
         "clipping": state.get("clipping"),
         "poisson_sampling": poisson,
-        "privacy_unit": privacy_unit(int(state.get("rows_per_unit") or 1)),
+        "privacy_unit": describe_privacy_unit(unit),
+        "privacy_unit_record": unit,
+        "not_covered": dict(state.get("not_covered") or {}),
+        "seeded": state.get("seeded"),
+        "secure_mode": state.get("secure_mode"),
     }
 
 
-def privacy_unit(rows_per_unit: int) -> str:
-    """What one privacy unit is, in words, for ``dp_rows_per_unit`` rows per unit."""
-    if rows_per_unit == 1:
-        return "one training example (one row of the training split)"
-    return f"one privacy unit of {rows_per_unit} consecutive rows of the training split (dp_rows_per_unit)"
+def unit_record(state: dict[str, Any]) -> dict[str, Any]:
+    """The privacy-unit record of a checkpoint's DP state (older checkpoints recorded ``rows_per_unit`` only)."""
+    recorded = state.get("privacy_unit")
+    if isinstance(recorded, dict):
+        return dict(recorded)
+    return {"description": None, "window": None, "stride": None, "rows_per_unit": int(state.get("rows_per_unit") or 1)}
 
 
 def load_module(checkpoint: dict[str, Any]) -> HFModule:
@@ -92,11 +109,16 @@ def _card(privacy: dict[str, Any], kind: str, base: str | None, pooling: str | N
             "---",
             f"# {kind} trained with differential privacy (dplightning)",
             "",
+            *([f"**WARNING: {SEEDED_RISK}. Do not release this model as private.**", ""] if privacy["seeded"] else []),
             f"- Guarantee: (ε = {eps}, δ = {privacy['delta']:.3g}), {privacy['accountant']} accountant, "
             f"{privacy['steps']} steps of DP-SGD with Poisson sampling at q = {privacy['sample_rate']}, "
             f"noise multiplier σ = {privacy['noise_multiplier']}, clipping bound C = {privacy['max_grad_norm']} "
             f"({privacy['clipping']} clipping), over N = {privacy['num_samples']} examples.",
             f"- Privacy unit: {privacy['privacy_unit']}.",
+            *[
+                f"- Not covered, computed from the private training data outside the DP steps: {name}, {text}."
+                for name, text in privacy["not_covered"].items()
+            ],
             "- Not covered: the pretrained base weights and anything trained or chosen on the private data outside "
             "the DP steps (a tokenizer fit to the private training split, hyperparameter search, metrics logged "
             "under `nonprivate/`).",
@@ -152,7 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="Folder to write the Hugging Face folders into.")
     parser.add_argument("--no-merged", action="store_true", help="With LoRA, write only the adapter folder.")
     args = parser.parse_args(argv)
-    for folder in export(args.ckpt, args.out, merged=not args.no_merged):
+    try:
+        folders = export(args.ckpt, args.out, merged=not args.no_merged)
+    except ValueError as err:  # no ledger, a ledger that contradicts its record, not an HF module
+        print(f"{args.ckpt}: {err}", file=sys.stderr)
+        return 3 if isinstance(err, InconsistentLedger) else 2
+    for folder in folders:
         privacy = json.loads((folder / "privacy.json").read_text(encoding="utf-8"))
         print(f"{folder}: ε = {privacy['epsilon']:.4g}, δ = {privacy['delta']:.3g}")
+        if privacy["seeded"]:
+            print(f"{folder}: WARNING: {SEEDED_RISK}.", file=sys.stderr)
     return 0

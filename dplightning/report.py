@@ -4,10 +4,13 @@ dplightning privacy-report lightning_logs/version_0/checkpoints/last.ckpt
 dplightning privacy-report run.ckpt --json
 
 prints (ε, δ), σ, q, the steps, the accountant, the clipping mode and the engine of every
-layer, the data-set size, the privacy unit and the library versions the checkpoint was
-written with; ε is recomputed from the recorded (σ, q, steps) history with the installed
-Opacus accountant and compared with the ε stored when the checkpoint was written. The exit
-status is 0 if they match, 1 if they do not, 2 if the file has no privacy ledger.
+layer, the data-set size, the privacy unit, what the data computed outside the DP steps,
+whether a test seed was used and the library versions the checkpoint was written with. The
+ledger is first checked against the checkpoint (at least ``global_step`` steps; its latest
+segment at the recorded σ and q); ε is then recomputed from its (σ, q, steps) history with
+the installed Opacus accountant and compared with the ε stored when the checkpoint was
+written. The exit status is 0 if they match, 1 if they do not, 2 if the file has no privacy
+ledger, 3 if the ledger contradicts the checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from dplightning.export import privacy_of
 from dplightning.strategies._dp import CHECKPOINT_KEY
-from dplightning.strategies.accounting import library_versions
+from dplightning.strategies.accounting import SEEDED_RISK, InconsistentLedger, library_versions
 
 MATCH_RTOL = 1e-6
 """Relative tolerance between the stored and the recomputed ε (the same accountant gives the same float)."""
@@ -33,6 +36,7 @@ def privacy_report(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
     Raises:
         ValueError: If the checkpoint has no privacy ledger.
+        InconsistentLedger: If the ledger contradicts the checkpoint's σ, q or global_step.
     """
     claim = privacy_of(checkpoint)  # recomputes ε from the ledger
     state = checkpoint[CHECKPOINT_KEY]
@@ -56,8 +60,6 @@ def privacy_report(checkpoint: dict[str, Any]) -> dict[str, Any]:
         "clipping_engine": state.get("clipping_engine"),
         "layer_engines": state.get("layer_engines") or {},
         "world_size": state.get("world_size"),
-        "secure_mode": state.get("secure_mode"),
-        "seeded": state.get("seeded"),
         "nonfinite_examples": state.get("nonfinite_examples"),
         "global_step": checkpoint.get("global_step"),
         "versions": recorded,
@@ -79,6 +81,7 @@ def _fmt(value: Any) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as aligned text lines."""
+    seeded = f" (WARNING: {SEEDED_RISK})" if report["seeded"] else ""
     match = {True: "matches", False: "MISMATCH", None: "no stored ε to compare"}[report["epsilon_matches"]]
     versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items()) or "not recorded"
     changed = ", ".join(f"{k} {v}" for k, v in report["versions_now"].items())
@@ -96,10 +99,11 @@ def format_report(report: dict[str, Any]) -> str:
         ("Poisson sampling", _fmt(report["poisson_sampling"])),
         ("data-set size N", _fmt(report["num_samples"])),
         ("privacy unit", report["privacy_unit"]),
+        ("not covered", "; ".join(f"{k}: {v}" for k, v in report["not_covered"].items()) or "nothing declared"),
         ("clipping", f"{report['clipping']}, C = {_fmt(report['max_grad_norm'])}"),
         ("clipping engine", f"{_fmt(report['clipping_engine'])} ({engines})"),
         ("world size", _fmt(report["world_size"])),
-        ("secure mode / test seed", f"{_fmt(report['secure_mode'])} / {_fmt(report['seeded'])}"),
+        ("secure mode / test seed", f"{_fmt(report['secure_mode'])} / {_fmt(report['seeded'])}{seeded}"),
         ("non-finite examples", f"{_fmt(report['nonfinite_examples'])} (contributed zero)"),
         ("recorded versions", versions),
         ("installed now", changed or "the same"),
@@ -116,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         report = load_report(args.checkpoint)
-    except ValueError as err:
+    except ValueError as err:  # no ledger, or one that contradicts the checkpoint
         print(f"{args.checkpoint}: {err}")
-        return 2
+        return 3 if isinstance(err, InconsistentLedger) else 2
     if args.json:
         print(json.dumps(report, indent=2, default=str, allow_nan=True))
     else:

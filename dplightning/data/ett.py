@@ -11,7 +11,9 @@ Every channel is z-scored with the mean and (population) std of the training row
 ``train_stride = window`` the training windows are disjoint and each row is in exactly one
 of them: the guarantee then covers any single row (and any set of rows inside one window).
 The normalisation statistics are computed from the training rows and are **not private**;
-for a strict end-to-end guarantee pass ``mean``/``std`` from public data.
+for a strict end-to-end guarantee pass ``mean``/``std`` from public data. The data module
+declares both (``dp_privacy_unit`` with the window and stride, ``dp_not_covered``), and
+checkpoints, ``privacy-report`` and exports state them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
+
+from dplightning.data.provenance import PrivacyUnit
 
 Task = Literal["imputation", "forecasting"]
 HOURLY_MONTH = 30 * 24
@@ -148,6 +152,23 @@ class ETTDataModule(pl.LightningDataModule):
         self.train_set = WindowDataset(self.splits["train"], self.window, hp.train_stride)
         self.val_set = WindowDataset(self.splits["val"], self.window, max_windows=hp.max_val_windows)
         self.test_set = WindowDataset(self.splits["test"], self.window, max_windows=hp.max_test_windows)
+
+    @property
+    def dp_privacy_unit(self) -> PrivacyUnit:
+        """One training window (its length and stride go to checkpoints and exports)."""
+        rows = {HOURLY_MONTH: "hourly rows", 4 * HOURLY_MONTH: "15-minute rows"}.get(self.rows_per_month, "rows")
+        horizon = self.window - self.input_len
+        parts = f" ({self.input_len} input + {horizon} horizon)" if self.task == "forecasting" else ""
+        return PrivacyUnit(
+            f"one training window of {self.window} consecutive {rows}{parts}", self.window, self.hparams.train_stride
+        )
+
+    @property
+    def dp_not_covered(self) -> dict[str, str]:
+        """The normalisation statistics, when they come from the training rows rather than ``mean``/``std``."""
+        if self.hparams.mean is not None:
+            return {}
+        return {"normalisation": "the per-channel mean and std of the training rows (pass mean/std from public data)"}
 
     def denormalise(self, x: Tensor) -> Tensor:
         """Back to the CSV's units (``[..., K]``)."""

@@ -5,6 +5,9 @@ or, for models built from a config, a byte-level BPE trained on the training spl
 saved next to the run. Batches are padded per batch; the privacy unit is one example
 (one sentence, one ``mr,ref`` pair, one line), and no example is ever truncated silently:
 an example longer than ``max_length`` is an error unless ``too_long="drop"`` is asked for.
+A BPE trained here records what it was fitted on (``dplightning_provenance.json`` beside
+it); one fitted on the private training split is declared in ``dp_not_covered``, so
+checkpoints, ``privacy-report`` and ``privacy.json`` flag it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from dplightning.data.provenance import PrivacyUnit
 from dplightning.data.tokenizer import load_tokenizer, train_bpe
+
+TOKENIZER_PROVENANCE = "dplightning_provenance.json"
+"""File beside a trained BPE that records what it was fitted on."""
+PRETRAINED = "pretrained"
+PUBLIC_CORPUS = "public corpus"
+PRIVATE_SPLIT = "private training split"
+UNKNOWN_FIT = "unknown"
+"""What a tokenizer was fitted on; the last two are flagged as not covered by the guarantee."""
 
 IGNORE = -100
 """Label of positions that carry no loss (padding, and the prompt of prompt/completion data)."""
@@ -101,6 +113,8 @@ class TextDataModule(pl.LightningDataModule):
     """
 
     task: ClassVar[Literal["classification", "lm"]]
+    privacy_unit: ClassVar[str] = "one example of the training split"
+    """What one privacy unit is, in words (checkpoints, ``privacy-report`` and exports say it)."""
 
     def __init__(
         self,
@@ -131,6 +145,8 @@ class TextDataModule(pl.LightningDataModule):
         self.split_seed = split_seed
         self.num_workers = num_workers
         self.tokenizer: Any = None
+        self.tokenizer_fitted_on: str | None = None
+        """What the tokenizer was fitted on (:data:`PRETRAINED`, ...); ``None`` until it is loaded."""
         self.splits: dict[str, list[dict[str, Any]]] = {}
 
     # ------------------------------------------------------------------ what a subclass provides
@@ -147,6 +163,13 @@ class TextDataModule(pl.LightningDataModule):
         root = self.trainer.default_root_dir if self.trainer is not None else "lightning_logs"
         return Path(root) / "tokenizer"
 
+    def _fit_bpe(self, folder: Path) -> Any:
+        """Train the BPE and record beside it what it was fitted on (a later run reusing the folder reads it)."""
+        fitted_on = PUBLIC_CORPUS if self.tokenizer_corpus is not None else PRIVATE_SPLIT
+        tokenizer = train_bpe(self._training_texts(), self.vocab_size, folder)
+        (folder / TOKENIZER_PROVENANCE).write_text(json.dumps({"fitted_on": fitted_on}) + "\n", encoding="utf-8")
+        return tokenizer
+
     def _training_texts(self) -> list[str]:
         if self.tokenizer_corpus is not None:
             return Path(self.tokenizer_corpus).read_text(encoding="utf-8").splitlines()
@@ -158,16 +181,37 @@ class TextDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         if self.tokenizer_name is None and not (self._tokenizer_folder() / "tokenizer.json").exists():
-            train_bpe(self._training_texts(), self.vocab_size, self._tokenizer_folder())
+            self._fit_bpe(self._tokenizer_folder())
 
     def _load_tokenizer(self) -> Any:
         if self.tokenizer_name is not None:
+            self.tokenizer_fitted_on = _recorded_fit(Path(self.tokenizer_name)) or PRETRAINED
             return load_tokenizer(self.tokenizer_name)
         folder = self._tokenizer_folder()
         if not (folder / "tokenizer.json").exists():  # setup() without prepare_data(): one process
-            return train_bpe(self._training_texts(), self.vocab_size, folder)
-        rank_zero_info(f"Using the tokenizer saved in {folder}.")
-        return load_tokenizer(str(folder))
+            tokenizer = self._fit_bpe(folder)
+        else:
+            rank_zero_info(f"Using the tokenizer saved in {folder}.")
+            tokenizer = load_tokenizer(str(folder))
+        self.tokenizer_fitted_on = _recorded_fit(folder) or UNKNOWN_FIT
+        return tokenizer
+
+    # ------------------------------------------------------------------ what the guarantee is about
+
+    @property
+    def dp_privacy_unit(self) -> PrivacyUnit:
+        """One example of the training split (:attr:`privacy_unit`)."""
+        return PrivacyUnit(self.privacy_unit)
+
+    @property
+    def dp_not_covered(self) -> dict[str, str]:
+        """The tokenizer, when it was (or may have been) fitted on the private training split."""
+        if self.tokenizer_fitted_on == PRIVATE_SPLIT:
+            return {"tokenizer": "a byte-level BPE vocabulary fitted on the private training split"}
+        if self.tokenizer_fitted_on == UNKNOWN_FIT:
+            reused = "a BPE reused from a folder that does not record what it was fitted on (maybe the private split)"
+            return {"tokenizer": reused}
+        return {}
 
     # ------------------------------------------------------------------ encoding
 
@@ -245,6 +289,14 @@ class TextDataModule(pl.LightningDataModule):
         return self.test_dataloader()
 
 
+def _recorded_fit(folder: Path) -> str | None:
+    """What the BPE in ``folder`` was fitted on, as :meth:`TextDataModule._fit_bpe` recorded it."""
+    record = folder / TOKENIZER_PROVENANCE
+    if not record.is_file():
+        return None
+    return str(json.loads(record.read_text(encoding="utf-8"))["fitted_on"])
+
+
 def _read_rows(path: str | Path) -> list[dict[str, str]]:
     """Rows of a CSV, TSV or JSONL file as dicts."""
     path = Path(path)
@@ -270,6 +322,7 @@ class SST2DataModule(TextDataModule):
     """
 
     task = "classification"
+    privacy_unit = "one training sentence"
 
     def __init__(self, path: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -297,6 +350,7 @@ class E2EDataModule(TextDataModule):
     """
 
     task = "lm"
+    privacy_unit = "one (mr, ref) row of the training split (an MR with several references is several units)"
     files: ClassVar[dict[str, str]] = {"train": "trainset.csv", "val": "devset.csv", "test": "testset_w_refs.csv"}
 
     def __init__(self, path: str, **kwargs: Any) -> None:
@@ -334,6 +388,7 @@ class TextFileDataModule(TextDataModule):
     """
 
     task = "lm"
+    privacy_unit = "one row of the training file"
 
     def __init__(self, train: str, val: str | None = None, test: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)

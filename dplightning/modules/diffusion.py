@@ -24,10 +24,11 @@ class DPDiffusion(pl.LightningModule):
     """DPDM (Dockhorn et al. 2023): EDM denoising loss averaged over K noise draws per image.
 
     Each training image x_i is repeated K times in one forward batch of B·K rows (its rows
-    consecutive) with K independent draws of (σ, n); ``dp_rows_per_unit = K`` tells the DP
-    strategy that the K rows are one privacy unit, whose gradient is summed over its rows
-    before clipping. The loss is Σ_i mean_k ℓ_ik / B, so each unit's gradient is the MEAN of
-    its K per-draw gradients, clipped once: the sensitivity (C) and ε do not depend on K.
+    consecutive) with K independent draws of (σ, n). The privacy unit is one training image;
+    ``dp_rows_per_unit = K`` tells the DP strategy that its K forward rows are one unit, whose
+    gradient is summed over its rows before clipping. The loss is Σ_i mean_k ℓ_ik / B, so
+    each unit's gradient is the MEAN of its K per-draw gradients, clipped once: the
+    sensitivity (C) and ε do not depend on K.
     The classifier-free-guidance label drop is decided once per image and shared by its rows.
 
     Images arrive in [0, 1] (as :class:`~dplightning.data.DigitsDataModule` and
@@ -96,7 +97,7 @@ class DPDiffusion(pl.LightningModule):
 
     @property
     def dp_rows_per_unit(self) -> int:
-        """K: one privacy unit is K consecutive forward rows (:class:`dplightning.protocols.MultiRowUnits`)."""
+        """K: each privacy unit (one image) spans K consecutive forward rows (a ``MultiRowUnits``)."""
         return self.noise_multiplicity
 
     # ------------------------------------------------------------------ loss

@@ -59,7 +59,9 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
     last ``horizon`` steps for forecasting; a random share r ~ U(0, 1) of the points for
     imputation), noises those points and regresses the noise on them only. Each example's
     loss is normalised by its own number of target points and the batch loss is their sum
-    over ``max(B, 1)``, so per-example clipping sees exactly one window's gradient.
+    over ``max(B, 1)``, so per-example clipping sees exactly one window's gradient: the
+    privacy unit is one training window (:class:`~dplightning.data.ETTDataModule` declares
+    its length and stride, and how many windows one row lies in, to checkpoints and reports).
 
     Privacy contract: the training loss is logged as ``nonprivate/train_loss`` (it comes
     from the private batch). ``val_loss`` (denoising loss on fixed noise) and the test

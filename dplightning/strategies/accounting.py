@@ -27,6 +27,12 @@ from dplightning.strategies.config import DPConfig
 RECORDED_LIBRARIES = ("dplightning", "torch", "lightning", "opacus", "transformers", "peft")
 """Libraries whose versions a checkpoint records (the accountant's numbers depend on opacus')."""
 
+SEEDED_RISK = (
+    "a test seed (seed=) fixed the noise and the Poisson sampling, so the (ε, δ) guarantee does not hold against "
+    "anyone who knows the seed"
+)
+"""What a run with a test seed does not guarantee (the fit warning, privacy-report and the model card say it)."""
+
 
 def library_versions() -> dict[str, str | None]:
     """Installed versions of :data:`RECORDED_LIBRARIES` and Python (``None`` if not installed)."""
@@ -56,6 +62,7 @@ class PrivacyAccounting:
         self._delta = config.delta
         self._step_releases: dict[str, float] = {}
         self._resumed_sampling: tuple[float | None, int | None] | None = None
+        self._warned_seed = False
 
     # ------------------------------------------------------------------ public values
 
@@ -119,7 +126,7 @@ class PrivacyAccounting:
         self._step_releases[name] = float(noise_multiplier)
 
     def set_sampling(self, num_samples: int, sample_rate: float) -> None:
-        """Record N and q of the train loader; check a resumed run's sampling against them.
+        """Record N and q of the train loader; check a resumed run's sampling against them; warn of a test seed.
 
         Raises:
             ValueError: If q is outside (0, 1], or a ``target_epsilon`` run resumes at another q.
@@ -130,6 +137,7 @@ class PrivacyAccounting:
                 f"lower the train loader's batch_size (N = {num_samples})."
             )
         self.num_samples, self.sample_rate = num_samples, sample_rate
+        self._warn_if_seeded()
         if self.delta is not None and self.delta >= 1.0 / num_samples:
             rank_zero_warn(
                 f"delta = {self.delta:.3g} >= 1/N = {1 / num_samples:.3g}: a mechanism that releases one random "
@@ -137,6 +145,16 @@ class PrivacyAccounting:
                 stacklevel=2,
             )
         self._check_resumed_sampling()
+
+    def _warn_if_seeded(self) -> None:
+        if self.config.seed is None or self._warned_seed:
+            return
+        self._warned_seed = True
+        rank_zero_warn(
+            f"seed= is FOR TESTS ONLY: {SEEDED_RISK}. Checkpoints, privacy-report and exports record 'seeded'; "
+            "train without seed= for a model you will release.",
+            stacklevel=3,
+        )
 
     def plan(self, total_steps: int | None) -> None:
         """Calibrate σ for ``target_epsilon`` over ``total_steps``, or warn if a resumed run will overspend it."""
@@ -243,3 +261,85 @@ class PrivacyAccounting:
         if self._delta is None and state.get("delta") is not None:
             self._delta = float(state["delta"])
         rank_zero_info(f"Resumed privacy ledger: {self.ledger.steps} steps, history {list(self.ledger.history)}.")
+
+
+class InconsistentLedger(ValueError):
+    """A checkpoint's privacy ledger contradicts the rest of its record (tampered or corrupted)."""
+
+
+RECORD_RTOL = 1e-9
+"""Relative tolerance between σ/q in the record and in the ledger (both are the same stored floats)."""
+
+
+def _segment_problems(history: list[Any]) -> list[str]:
+    problems = []
+    for i, segment in enumerate(history):
+        try:
+            sigma, q, steps = segment
+            valid = sigma >= 0 and math.isfinite(sigma) and 0 < q <= 1 and int(steps) == steps >= 1
+        except (TypeError, ValueError):
+            valid = False
+        if not valid:
+            problems.append(f"history segment {i} = {segment!r} is not (σ >= 0, q in (0, 1], steps >= 1)")
+    return problems
+
+
+def _sampling_problems(state: dict[str, Any], last: tuple[float, float, int]) -> list[str]:
+    """The recorded σ (σ_eff with step releases) and q against the ledger's latest segment."""
+    sigma, releases = state.get("noise_multiplier"), (state.get("step_releases") or {}).values()
+    if sigma is None:
+        return ["the record has no noise multiplier σ but the ledger charged steps"]
+    recorded = combined_noise_multiplier([sigma, *releases])
+    problems = []
+    if not math.isclose(recorded, last[0], rel_tol=RECORD_RTOL):
+        shared = f" (σ_eff with step releases {dict(state.get('step_releases') or {})})" if releases else ""
+        problems.append(f"the record's σ = {recorded:.6g}{shared} is not the ledger's latest σ = {last[0]:.6g}")
+    q = state.get("sample_rate")
+    if q is None or not math.isclose(q, last[1], rel_tol=RECORD_RTOL):
+        problems.append(f"the record's q = {q} is not the ledger's latest q = {last[1]:.6g}")
+    return problems
+
+
+def ledger_problems(state: dict[str, Any], global_step: int | None) -> list[str]:
+    """What in a checkpoint's DP record (:meth:`PrivacyAccounting.state_dict`) contradicts its ledger.
+
+    ε is computed from the ledger's (σ, q, steps) history alone, so the history must agree
+    with the rest of the record: every optimizer step releases one noisy gradient that the
+    ledger charges, so it holds at least ``global_step`` steps (more when a privacy journal
+    charged steps of a killed attempt); its latest segment ran at the recorded σ (σ_eff with
+    step releases) and q.
+
+    Args:
+        state: The checkpoint's ``"dplightning"`` entry.
+        global_step: The checkpoint's optimizer steps (``None``: not recorded).
+
+    Returns:
+        One sentence per disagreement; empty if the record is consistent.
+    """
+    history = list(state["ledger"]["history"])
+    problems = _segment_problems(history)
+    if problems or not state.get("poisson_sampling", True):
+        return problems  # without Poisson sampling nothing is charged (ε = ∞)
+    steps = sum(int(t) for _, _, t in history)
+    if global_step is not None and steps < global_step:
+        problems.append(
+            f"the ledger charges {steps} steps but the checkpoint's global_step is {global_step}: every optimizer "
+            "step releases a noisy gradient the ledger charges, so it must hold at least global_step steps"
+        )
+    if history:
+        problems += _sampling_problems(state, history[-1])
+    return problems
+
+
+def check_ledger(state: dict[str, Any], global_step: int | None) -> None:
+    """Refuse a checkpoint whose ledger contradicts its record (see :func:`ledger_problems`).
+
+    Raises:
+        InconsistentLedger: Naming every disagreement.
+    """
+    problems = ledger_problems(state, global_step)
+    if problems:
+        raise InconsistentLedger(
+            "The privacy ledger contradicts the rest of the checkpoint, so no ε can be claimed from it (a tampered "
+            "or corrupted checkpoint): " + "; ".join(problems) + "."
+        )

@@ -127,3 +127,25 @@ def test_pad_collate_left_pads_nothing_and_keeps_order() -> None:
     assert torch.equal(batch["input_ids"], torch.tensor([[1, 2, 3], [4, 9, 9]]))
     assert torch.equal(batch["attention_mask"], torch.tensor([[1, 1, 1], [1, 0, 0]]))
     assert torch.equal(batch["labels"], torch.tensor([1, 0]))
+
+
+def test_a_tokenizer_fitted_on_the_private_split_is_declared_not_covered(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(WORDS[i % 5 : i % 5 + 6])}) + "\n" for i in range(40)))
+    private, public = tmp_path / "private_tok", tmp_path / "public_tok"
+    (tmp_path / "public.txt").write_text("\n".join(WORDS) + "\n")
+
+    def declared(**kwargs) -> dict[str, str]:
+        dm = TextFileDataModule(str(path), vocab_size=280, **kwargs)
+        dm.setup("fit")
+        assert dm.dp_privacy_unit.description == "one row of the training file"
+        return dm.dp_not_covered
+
+    fitted = declared(tokenizer_dir=str(private))
+    assert "fitted on the private training split" in fitted["tokenizer"]
+    assert declared(tokenizer_dir=str(private)) == fitted  # a resumed run reuses the folder, and the flag
+    assert declared(tokenizer=str(private)) == fitted  # so does a run given that folder as its tokenizer
+    assert declared(tokenizer_dir=str(public), tokenizer_corpus=str(tmp_path / "public.txt")) == {}
+    assert declared(tokenizer=str(public)) == {}
+    (private / "dplightning_provenance.json").unlink()  # a folder that does not say what it was fitted on
+    assert "maybe the private split" in declared(tokenizer_dir=str(private))["tokenizer"]

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils.hooks import RemovableHandle
@@ -123,12 +122,29 @@ def check_embeddings(module: nn.Module) -> None:
             raise ValueError(f"Embedding '{name}' has sparse=True; DP training needs dense gradients. Set it to False.")
 
 
-def warn_on_batch_mean_loss(module: nn.Module, training: Callable[[], bool]) -> list[RemovableHandle]:
-    """Warn once if a Hugging Face model computes its own loss (``labels=``) while DP training.
+EXAMPLE_MEAN_HEADS = ("ForSequenceClassification", "ForImageClassification", "ForMultipleChoice")
+"""Hugging Face heads whose built-in loss (``labels=``) is a mean over the examples, one term each."""
 
-    Hugging Face's built-in loss averages over all target tokens of the batch, so one
-    example's gradient depends on the other examples' lengths: rows are then not
-    independent privacy units. The warning names the per-example form to use instead.
+_PER_EXAMPLE_LM_LOSS = """
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    targets = labels[:, 1:]                                  # causal LM: predict the next token
+    per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none", ignore_index=-100)
+    counted = (targets != -100).float()
+    per_example = (per_token * counted).sum(1) / counted.sum(1).clamp(min=1)  # each example's own token mean
+    loss = per_example.sum() / max(len(per_example), 1)     # then the mean over the batch
+"""
+
+
+def refuse_batch_mean_loss(module: nn.Module, training: Callable[[], bool]) -> list[RemovableHandle]:
+    """Refuse a Hugging Face model's built-in loss (``labels=``) in a training step where it couples the examples.
+
+    The built-in loss of language-model, token-classification and question-answering heads
+    averages over every counted target of the batch, so one example's gradient is scaled
+    by one over the batch's total count: removing one long example changes every other
+    example's contribution, and per-example clipping bounds nothing. Heads in
+    :data:`EXAMPLE_MEAN_HEADS` average one term per example and are allowed, unless their
+    labels hold negative (ignored) entries, which make the mean run over the remaining
+    examples only.
 
     Args:
         module: The LightningModule.
@@ -136,24 +152,31 @@ def warn_on_batch_mean_loss(module: nn.Module, training: Callable[[], bool]) -> 
 
     Returns:
         Handles of the hooks, to remove at teardown.
+
+    Raises:
+        ValueError: From the hook, before the model's forward runs, naming the per-example form.
     """
     hf = sys.modules.get("transformers")
     if hf is None:  # only models built with transformers can take this path
         return []
-    warned = False
 
     def check(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        nonlocal warned
-        if warned or kwargs.get("labels") is None or not training():
+        labels = kwargs.get("labels")
+        if labels is None or not training():
             return
-        warned = True
-        warnings.warn(
-            f"{type(layer).__name__} was called with labels=: Hugging Face's built-in loss averages over all tokens "
-            "of the batch, so each example's gradient depends on the other examples' lengths and one example is "
-            "no longer one privacy unit of bounded influence. Compute the loss per example (the mean over each "
-            "example's own target tokens), then average over the batch: see dplightning's per-example loss "
-            "contract in docs/dp_sgd_core.md.",
-            stacklevel=2,
+        name = type(layer).__name__
+        if name.endswith(EXAMPLE_MEAN_HEADS):
+            if not (isinstance(labels, Tensor) and not labels.is_floating_point() and bool((labels < 0).any())):
+                return
+            reason = "its labels hold ignored (negative) entries, so its mean runs over the other examples only"
+        else:
+            reason = "its built-in loss averages over all counted target tokens of the batch"
+        raise ValueError(
+            f"{name} was called with labels= in training_step: {reason}, so each example's gradient depends on the "
+            "other examples and one example is no longer a privacy unit of bounded influence. Compute the loss per "
+            f"example (each example's own mean), then average over the batch:\n{_PER_EXAMPLE_LM_LOSS}"
+            "(dplightning.modules.causal_lm.per_example_token_mean does this; see the per-example loss contract in "
+            "docs/dp_sgd_core.md)."
         )
 
     pretrained = getattr(hf, "PreTrainedModel", ())
