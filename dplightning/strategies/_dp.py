@@ -44,7 +44,7 @@ from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisso
 from dplightning.data.provenance import data_provenance
 from dplightning.privacy.accounting import PrivacyLedger
 from dplightning.privacy.clipping import ClipGroup
-from dplightning.privacy.grad_sample.validation import warn_on_batch_mean_loss
+from dplightning.privacy.grad_sample.validation import refuse_batch_mean_loss
 from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise
 from dplightning.protocols import CountsExamples, ShowsEpsilon
@@ -351,7 +351,7 @@ class _DPHooks(Strategy):
         self._engines = {name: engine for name, _, _, engine in self.private_step.hooks.summary()}
         self._rows_per_unit = _rows_per_unit(module)
         capturing = lambda: self.private_step is not None and self.private_step.hooks.capturing  # noqa: E731
-        self._extra_handles = warn_on_batch_mean_loss(module, capturing)
+        self._extra_handles = refuse_batch_mean_loss(module, capturing)
         self._nonfinite_seen, self._warned_nonfinite = 0, False
         self._restore_dp_state(trainer)
         if not any(isinstance(cb, ShowsEpsilon) and cb.shows_epsilon for cb in trainer.callbacks):
@@ -560,7 +560,7 @@ def _batch_units(module: nn.Module, batch: Any) -> int:
     if isinstance(module, CountsExamples):
         units = module.dp_batch_size(batch)
         if isinstance(units, bool) or not isinstance(units, int) or units < 0:
-            raise ValueError(f"dp_batch_size(batch) must return an int >= 0 (privacy units in the batch), got {units!r}")
+            raise ValueError(f"dp_batch_size(batch) must return an int >= 0 (units in the batch), got {units!r}.")
         return units
     units = batch_rows(batch)
     if units is None:

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from dplightning.privacy.buffers import BufferWatch, public_buffers
 from dplightning.privacy.clipping import ClipGroup, make_clip_groups
 from dplightning.privacy.grad_sample import PerExampleGrad, PerExampleHooks, SlotTransform
 from dplightning.privacy.grad_sample.grads import add
@@ -73,6 +74,7 @@ class PrivateStep:
         self._verify_left = 0
         self._verified_rows = False
         self.hooks: PerExampleHooks | None = None
+        self.buffers = BufferWatch(module, public_buffers(module))
         self.plan()
 
     # ------------------------------------------------------------------ planning
@@ -171,10 +173,11 @@ class PrivateStep:
             self._suspended = [p for p in self.privatizer.params if p.requires_grad]
             for p in self._suspended:
                 p.requires_grad_(False)
-        rows = None if units is None else units * rows_per_unit
+        self.buffers.snapshot()
         try:
-            with self.hooks.capture(rows):
+            with self.hooks.capture(units * rows_per_unit):
                 yield
+            self.buffers.check("training_step")
         finally:
             if not automatic:
                 self.restore_weight_grads()
@@ -197,6 +200,7 @@ class PrivateStep:
         manual optimization it is summed with the batch's other passes until the release.
         """
         assert self.hooks is not None
+        self.buffers.check("training_step and its backward pass")
         automatic, scale = self._automatic, self._scale
         if automatic:
             self.restore_weight_grads()

@@ -7,7 +7,6 @@ accumulations, and resumed runs whose q or length changed.
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -173,18 +172,50 @@ def test_a_step_that_fails_on_an_empty_batch_names_the_cause() -> None:
         make_trainer(dp(noise_multiplier=1.0), max_steps=60).fit(NeedsRows(), loader(make_dataset(400), batch_size=1))
 
 
-def test_hugging_face_batch_mean_loss_warns() -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _gpt2(head: str):
+    import transformers
 
-    class HFLoss(TinyModule):
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            return self.net(input_ids=ids, labels=ids).loss  # the token mean over the whole batch
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=17, n_positions=8, num_labels=2,
+                                     pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    return getattr(transformers, head)(config)
 
-    config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=17, n_positions=8)
-    data = DataLoader(TensorDataset(torch.randint(0, 17, (8, 6))), batch_size=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        strategy = dp(verify_gradients="never")
-    with pytest.warns(UserWarning, match="labels=.*per example"):
-        make_trainer(strategy).fit(HFLoss(net=GPT2LMHeadModel(config)), data)
+
+class _BuiltInLoss(TinyModule):
+    """A module returning the Hugging Face model's own loss, the most common way to fine-tune."""
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return self.net(input_ids=ids, labels=labels).loss
+
+
+def _lm_data() -> DataLoader:
+    ids = torch.randint(1, 17, (8, 6), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(ids, ids.clone()), batch_size=8)
+
+
+def test_hugging_face_token_mean_loss_is_refused_before_any_update() -> None:
+    module = _BuiltInLoss(net=_gpt2("GPT2LMHeadModel"))
+    before = params_of(module)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel was called with labels=.*all counted target tokens(.|\n)*"
+                       r"per_example = \(per_token \* counted\)"):  # fmt: skip
+        make_trainer(dp(noise_multiplier=1.0)).fit(module, _lm_data())
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+
+
+def test_hugging_face_example_mean_loss_keeps_working() -> None:
+    ids = torch.randint(1, 17, (8, 6), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(ids, torch.arange(8) % 2), batch_size=8)
+    module = _BuiltInLoss(net=_gpt2("GPT2ForSequenceClassification"))
+    before = params_of(module)
+    make_trainer(dp(noise_multiplier=0.0, max_grad_norm=1e6, poisson_sampling=False)).fit(module, data)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in module.named_parameters())
+
+
+def test_hugging_face_example_mean_loss_with_ignored_labels_is_refused() -> None:
+    ids = torch.randint(1, 17, (8, 6), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1, -100, 1, 0, 1, 0, -100])  # CE's mean then runs over the 6 others
+    data = DataLoader(TensorDataset(ids, labels), batch_size=8)
+    with pytest.raises(ValueError, match="ignored \\(negative\\) entries"):
+        make_trainer(dp(noise_multiplier=1.0)).fit(_BuiltInLoss(net=_gpt2("GPT2ForSequenceClassification")), data)

@@ -1,0 +1,75 @@
+"""Buffer writes during a training step are refused, naming the module and buffer; declared ones are allowed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dplightning.privacy.buffers import BufferWatch
+from tests.helpers import ManualModule, TinyModule, dp, loader, make_dataset, make_trainer, params_of
+
+
+class RunningMean(nn.Module):
+    """Keeps a running mean of its inputs, the way a custom normalisation layer would."""
+
+    def __init__(self, features: int, write: str = "in_place") -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(features))
+        self.write = write
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training and self.write == "in_place":
+            self.mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        elif self.training and self.write == "assign":
+            self.mean = x.detach().mean(0)
+        return x - self.mean
+
+
+def _module(write: str, manual: bool = False) -> TinyModule:
+    module = ManualModule() if manual else TinyModule()
+    module.net = nn.Sequential(RunningMean(6, write), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    return module
+
+
+def _fit(module: TinyModule, steps: int = 2) -> None:
+    make_trainer(dp(), max_steps=steps).fit(module, loader(make_dataset(64), 16))
+
+
+@pytest.mark.parametrize("write", ["in_place", "assign"])
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_buffer_written_in_training_step_is_refused_before_any_update(write: str, manual: bool) -> None:
+    module = _module(write, manual)
+    before = params_of(module)
+    with pytest.raises(RuntimeError, match=r"'net\.0' \(RunningMean\) buffer 'mean'.*dp_public_buffers"):
+        _fit(module)
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+
+
+def test_a_buffer_declared_public_may_be_written() -> None:
+    module = _module("in_place")
+    module.dp_public_buffers = {"net.0.mean"}
+    _fit(module, steps=3)
+    assert module.net[0].mean.abs().sum() > 0
+
+
+def test_declaring_an_unknown_buffer_is_an_error() -> None:
+    module = _module("in_place")
+    module.dp_public_buffers = {"net.0.men"}
+    with pytest.raises(ValueError, match=r"dp_public_buffers names \['net\.0\.men'\]"):
+        _fit(module)
+
+
+def test_reading_buffers_and_writing_outside_the_step_are_not_writes() -> None:
+    layer = RunningMean(3, write="none")
+    watch = BufferWatch(layer)
+    watch.snapshot()
+    layer(torch.randn(4, 3)).sum()
+    watch.check("a test")
+    layer.mean.add_(1.0)  # e.g. an EMA of the released weights, after the step
+    watch.snapshot()
+    watch.check("a test")
+    layer.mean.add_(1.0)
+    with pytest.raises(RuntimeError, match="buffer 'mean'"):
+        watch.check("a test")
