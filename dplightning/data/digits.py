@@ -51,6 +51,9 @@ class DigitsDataModule(pl.LightningDataModule):
         self.val_set = Subset(full, order[n_test : n_test + n_val])
         self.train_set = Subset(full, order[n_test + n_val :])
 
+    dp_privacy_unit = "one training image (8x8) with its label"
+    """What one privacy unit is, for checkpoints, ``privacy-report`` and exports."""
+
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
 

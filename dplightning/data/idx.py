@@ -99,6 +99,9 @@ class IDXImageDataModule(pl.LightningDataModule):
         self.train_set = Subset(full, order[n_val:])
         self.test_set = TensorDataset(*load_idx_split(self.data_dir, "test"))
 
+    dp_privacy_unit = "one training image (28x28) with its label"
+    """What one privacy unit is, for checkpoints, ``privacy-report`` and exports."""
+
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
             self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.hparams.num_workers
