@@ -11,26 +11,38 @@ up to a δ term (their Corollary 5.4, code of their Appendix D):
     q_ε = 1 / (1 + e^{−ε}),
 
 so every ε with p(ε) < 1 − confidence is rejected; the largest such ε is the lower bound.
-k₊, k₋ must be fixed before the scores are seen (they are arguments here).
+k₊, k₋ and the scoring procedure must be fixed in advance (they are arguments here), and the
+scores must never read which canaries were included.
 
-:func:`audit` runs the whole experiment through the DP strategy on a white-box probe that
-makes the canaries as strong as the mechanism allows (after Steinke et al.'s "Dirac"
-canaries): a linear classifier whose inputs have one extra coordinate per canary, which
-only that canary sets. Its gradient then lands in its own weight column, which no other
-example touches, and the score of a canary is how far training moved that column towards
-its label. With the real mechanism the lower bound stays below the claimed ε; with the
-noise switched off or the clipping disabled (:func:`sabotaged`, for validating the audit)
-it exceeds it. The audit checks the mechanism (clipping, noise, sampling and accounting of
-the strategy), not a particular model of yours; for your own model, compute scores of your
-own canaries and call :func:`epsilon_lower_bound`.
+:func:`audit` runs the whole experiment through the DP strategy on a white-box probe whose
+canaries are gradient-space "Dirac" canaries (Steinke et al.; Nasr et al., "Tight Auditing of
+Differentially Private Machine Learning", USENIX Security 2023): canary i's loss is linear in
+a coordinate w_i that no other example touches, so its gradient is a constant of norm far
+above C, which the mechanism clips to exactly C. Every released step t then carries, in that
+coordinate, x_{t,i} = b_{t,i} + σ·z in units of C, where b_{t,i} = 1 if the canary was in the
+step's Poisson batch. The DP guarantee covers all the released steps, so the score reads every
+step (not only the final weights): the log-likelihood ratio of "included" against "not
+included" for a Poisson(q) Gaussian mechanism that adds μ per sampled step and noise of std s,
 
-dplightning audit --canaries 1000 --steps 50 --noise-multiplier 3.0
-dplightning audit --sabotage noise      # the audit must flag this one
+    score_i = Σ_t log(1 − q + q · exp(μ (x_{t,i} − μ/2) / s²)),
+
+with μ and s estimated from all canaries' steps (:func:`fit_canary_steps`; μ = 1, s = σ for a
+correct mechanism). That is, up to the estimates, the most powerful test against the mechanism that actually ran,
+whether it adds too little noise (s < σ) or clips too loosely (μ > 1); it never reads which
+canaries were included, so the bound stays valid. :func:`sabotaged` breaks the mechanism in
+these ways (noise off or scaled, clipping off or scaled), to validate the audit. The audit
+checks the mechanism (sampling, clipping, noise and accounting of the strategy), not a
+particular model of yours; for your own model, compute scores of your own canaries and call
+:func:`epsilon_lower_bound`.
+
+dplightning audit                                   # default budget: 10,000 canaries, 50 steps
+dplightning audit --sabotage noise_scale --sabotage-factor 0.25   # the audit must flag this one
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import warnings
@@ -51,7 +63,8 @@ import dplightning
 from dplightning.privacy import mechanism
 from dplightning.privacy.noise import GaussianNoise
 
-Sabotage = Literal["noise", "clipping"]
+Sabotage = Literal["noise", "clipping", "noise_scale", "clipping_scale"]
+SABOTAGES: tuple[str, ...] = ("noise", "clipping", "noise_scale", "clipping_scale")
 
 
 # ------------------------------------------------------------------ the statistics
@@ -111,16 +124,88 @@ def guesses(scores: Tensor, included: Tensor, k_pos: int, k_neg: int) -> tuple[i
     return k_pos + k_neg, correct
 
 
+def fit_canary_steps(updates: Tensor, sample_rate: float, inclusion_rate: float = 0.5) -> tuple[float, float]:
+    """Shift μ and noise std s of a released canary coordinate, estimated from every canary's steps.
+
+    Each entry of ``updates`` is μ·b + s·z with b ~ Bernoulli(q · inclusion_rate): s is the
+    median absolute deviation (a 1.4826 factor makes it the std of a Gaussian; the few shifted
+    entries barely move it), μ the mean over that Bernoulli rate. A post-processing of the
+    released steps that never reads which canaries were included, so any bound built on it
+    stays valid.
+
+    Args:
+        updates: ``[steps, m]`` released sums in each canary's coordinate, in units of C.
+        sample_rate: Poisson sample rate q of a step.
+        inclusion_rate: Probability that a canary is in the data set.
+
+    Returns:
+        (μ, s), s at least 10⁻³ (noise switched off).
+    """
+    x = updates.double().flatten()
+    noise_std = 1.4826 * (x - x.median()).abs().median().item()
+    return x.mean().item() / (sample_rate * inclusion_rate), max(noise_std, 1e-3)
+
+
+def membership_scores(updates: Tensor, sample_rate: float, shift: float, noise_std: float) -> Tensor:
+    """Per-canary log-likelihood ratio of "included" against "not included", from every step.
+
+    Args:
+        updates: ``[steps, m]`` released sums in each canary's coordinate, in units of C.
+        sample_rate: Poisson sample rate q of a step.
+        shift: μ, what a sampled canary adds to its coordinate (1 for a correct mechanism).
+        noise_std: s, the std of the noise in that coordinate (σ for a correct mechanism).
+
+    Returns:
+        ``[m]`` scores Σ_t log((1 − q) φ_s(x) + q φ_s(x − μ)) − log φ_s(x), with φ_s the N(0, s²) density.
+    """
+    if not 0 < sample_rate <= 1 or noise_std <= 0:
+        raise ValueError(f"Need 0 < sample_rate <= 1 and noise_std > 0, got {sample_rate}, {noise_std}.")
+    x = updates.double()
+    sampled = math.log(sample_rate) + shift * (x - shift / 2) / noise_std**2  # log q·φ_s(x − μ)/φ_s(x)
+    if sample_rate == 1:
+        return sampled.sum(0)
+    return torch.logaddexp(torch.full_like(x, math.log1p(-sample_rate)), sampled).sum(0)
+
+
 # ------------------------------------------------------------------ sabotage (validating the audit)
 
 
+def _scaled_noise(factor: float) -> Any:
+    sample = GaussianNoise.sample
+
+    def scaled(self: GaussianNoise, like: Tensor, std: float) -> Tensor:
+        return sample(self, like, std * factor)
+
+    return scaled
+
+
+def _scaled_clipping(factor: float) -> Any:
+    clip_factors = mechanism.clip_factors
+
+    def scaled(norms: Tensor, max_norm: float) -> Tensor:
+        return clip_factors(norms, max_norm * factor)
+
+    return scaled
+
+
 @contextmanager
-def sabotaged(kind: Sabotage | None) -> Iterator[None]:
+def sabotaged(kind: Sabotage | None, factor: float | None = None) -> Iterator[None]:
     """Break the mechanism on purpose, while the accountant still claims the full guarantee.
 
-    ``"noise"``: no noise is added; ``"clipping"``: per-example gradients are not clipped.
-    For validating the audit only (it must detect both); ``None`` changes nothing.
+    ``"noise"``: no noise is added; ``"clipping"``: per-example gradients are not clipped;
+    ``"noise_scale"``: the noise std is ``factor`` times what it should be (0.25: σ/4);
+    ``"clipping_scale"``: gradients are clipped to ``factor`` · C instead of C (4: 4C).
+    For validating the audit only; ``None`` changes nothing.
+
+    Raises:
+        ValueError: On an unknown ``kind``, or a ``factor`` missing, given to a kind without
+            one, or not positive and finite.
     """
+    scaled = kind in ("noise_scale", "clipping_scale")
+    if scaled != (factor is not None):
+        raise ValueError(f"Sabotage {kind!r} {'needs' if scaled else 'takes no'} factor (got {factor!r}).")
+    if factor is not None and not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"The sabotage factor must be positive and finite, got {factor}.")
     if kind is None:
         yield
     elif kind == "noise":
@@ -129,31 +214,61 @@ def sabotaged(kind: Sabotage | None) -> Iterator[None]:
     elif kind == "clipping":
         with mock.patch.object(mechanism, "clip_factors", lambda norms, max_norm: torch.ones_like(norms)):
             yield
+    elif kind == "noise_scale":
+        with mock.patch.object(GaussianNoise, "sample", _scaled_noise(factor)):
+            yield
+    elif kind == "clipping_scale":
+        with mock.patch.object(mechanism, "clip_factors", _scaled_clipping(factor)):
+            yield
     else:
-        raise ValueError(f"Unknown sabotage {kind!r}; choose 'noise', 'clipping' or None.")
+        raise ValueError(f"Unknown sabotage {kind!r}; choose one of {SABOTAGES} or None.")
 
 
 # ------------------------------------------------------------------ the experiment
 
 
-class _LinearProbe(pl.LightningModule):
-    def __init__(self, features: int, classes: int, lr: float) -> None:
+class _CanaryProbe(pl.LightningModule):
+    """A linear classifier for the ordinary examples beside one Dirac coordinate per canary.
+
+    A batch row is (features, label, canary index); ordinary rows have index m, which selects
+    no coordinate. Canary i's loss is −canary_norm · w_i: its gradient is −canary_norm · e_i
+    wherever the weights are, and it touches nothing else.
+    """
+
+    def __init__(self, features: int, classes: int, canaries: int, canary_norm: float, lr: float) -> None:
         super().__init__()
         self.linear = nn.Linear(features, classes)
+        self.canary = nn.Linear(canaries, 1, bias=False)
+        nn.init.zeros_(self.canary.weight)
+        self.canary_norm = canary_norm
         self.lr = lr
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        return F.cross_entropy(self.linear(x), y, reduction="sum") / max(len(y), 1)  # Poisson batches can be empty
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y, index = batch
+        m = self.canary.in_features
+        ordinary = (index == m).float()
+        dirac = F.one_hot(index, m + 1)[:, :m].to(x.dtype) * self.canary_norm  # an ordinary row's is all zero
+        ce = F.cross_entropy(self.linear(x), y, reduction="none") * ordinary
+        loss = ce - self.canary(dirac).squeeze(-1)
+        return loss.sum() / max(len(y), 1)  # a mean loss; Poisson batches can be empty
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-class _NoEpsilonProgress(pl.Callback):
-    """Stands in for the strategy's per-step ε display: the audit needs ε once, at the end."""
+class _CanaryRecorder(pl.Callback):
+    """Keeps the canary coordinates after every optimizer step (the released iterates)."""
 
-    shows_epsilon = True
+    shows_epsilon = True  # stands in for the strategy's per-step ε display: the audit needs ε once
+
+    def __init__(self) -> None:
+        self.iterates: list[Tensor] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.iterates = [pl_module.canary.weight.detach()[0].double().clone()]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.iterates.append(pl_module.canary.weight.detach()[0].double().clone())
 
 
 @dataclass(frozen=True)
@@ -172,8 +287,10 @@ class AuditResult:
     correct: int
     steps: int
     noise_multiplier: float
+    max_grad_norm: float
     sample_rate: float
     sabotage: str | None
+    sabotage_factor: float | None
 
     @property
     def violation(self) -> bool:
@@ -182,64 +299,122 @@ class AuditResult:
 
 
 def audit(
-    canaries: int = 1000,
-    regular: int = 500,
+    canaries: int = 10_000,
+    regular: int = 1000,
     features: int = 16,
     classes: int = 2,
-    batch_size: int = 100,
+    batch_size: int = 120,
     steps: int = 50,
-    noise_multiplier: float = 3.0,
+    noise_multiplier: float = 1.0,
     max_grad_norm: float = 1.0,
     canary_scale: float = 100.0,
     lr: float = 1.0,
     delta: float = 1e-6,
     confidence: float = 0.95,
-    guess_fraction: float = 0.25,
+    k_pos: int = 200,
+    k_neg: int = 0,
     seed: int | None = None,
     sabotage: Sabotage | None = None,
+    sabotage_factor: float | None = None,
     accountant: str = "prv",
 ) -> AuditResult:
-    """Train the white-box canary probe with ``strategy="dp"`` and bound ε from below.
+    """Train the Dirac-canary probe with ``strategy="dp"`` and bound ε from below.
+
+    The defaults (claimed ε ≈ 1.5 at δ = 10⁻⁶) are sized so that the real mechanism's bound
+    stays well below the claim and noise at σ/4 or clipping at 4C exceed it (see the
+    detection-power table of docs/trust.md, made by ``benchmarks/audit_power.py``).
 
     Args:
-        canaries: m, each included with probability 1/2.
+        canaries: m, each included with probability 1/2; keep 2·m·δ well below 1 − confidence.
         regular: Ordinary examples, always included.
-        features: Input features of the ordinary examples (the canaries use their own coordinates).
-        classes: Classes of the linear classifier.
+        features: Input features of the ordinary examples.
+        classes: Classes of the ordinary examples' linear classifier.
         batch_size: Expected batch size; q = batch_size / N.
         steps: Optimizer steps.
         noise_multiplier: σ of the strategy.
         max_grad_norm: C of the strategy.
-        canary_scale: Magnitude of a canary's own input coordinate (its gradient is about
-            that large before clipping, so disabling clipping shows).
-        lr: SGD learning rate.
-        delta: δ of the strategy and of the audit; keep 2·m·δ well below 1 − confidence.
+        canary_scale: A canary's gradient norm, in units of C (above every clipping bound that
+            should show, e.g. 4C).
+        lr: SGD learning rate (any positive value: the scores undo it).
+        delta: δ of the strategy and of the audit.
         confidence: Confidence level of the lower bound.
-        guess_fraction: k₊ = k₋ = this fraction of m, fixed before the scores are seen.
+        k_pos: Guesses "in" (highest scores), fixed before the scores are seen.
+        k_neg: Guesses "out" (lowest scores).
         seed: Seeds the canary draw, the data, the sampling and the noise (``None``: OS entropy
             for the strategy, a fresh draw for the rest).
         sabotage: Break the mechanism (:func:`sabotaged`) to check that the audit notices.
+        sabotage_factor: The factor of ``"noise_scale"`` and ``"clipping_scale"``.
         accountant: The strategy's accountant.
     """
+    run = _train_probe(
+        canaries, regular, features, classes, batch_size, steps, noise_multiplier, max_grad_norm,
+        canary_scale, lr, delta, seed, sabotage, sabotage_factor, accountant,
+    )  # fmt: skip
+    shift, noise_std = fit_canary_steps(run.updates, run.sample_rate)
+    scores = membership_scores(run.updates, run.sample_rate, shift, noise_std)
+    r, v = guesses(scores, run.included, k_pos, k_neg)
+    return AuditResult(
+        epsilon_lower_bound=epsilon_lower_bound(canaries, r, v, delta, confidence),
+        claimed_epsilon=run.claimed_epsilon,
+        delta=delta,
+        confidence=confidence,
+        canaries=canaries,
+        included=int(run.included.sum()),
+        guesses=r,
+        correct=v,
+        steps=run.steps,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        sample_rate=run.sample_rate,
+        sabotage=sabotage,
+        sabotage_factor=sabotage_factor,
+    )
+
+
+@dataclass(frozen=True)
+class _ProbeRun:
+    updates: Tensor
+    """``[steps, m]`` released sum of each step in each canary's coordinate, in units of C."""
+    included: Tensor
+    sample_rate: float
+    claimed_epsilon: float
+    steps: int
+
+
+def _train_probe(
+    canaries: int,
+    regular: int,
+    features: int,
+    classes: int,
+    batch_size: int,
+    steps: int,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    canary_scale: float,
+    lr: float,
+    delta: float,
+    seed: int | None,
+    sabotage: Sabotage | None,
+    sabotage_factor: float | None,
+    accountant: str,
+) -> _ProbeRun:
+    """Draw the canaries, train the probe with ``strategy="dp"`` and read the released steps back."""
     generator = torch.Generator()
     if seed is not None:
         generator.manual_seed(seed)
     else:
         generator.seed()
-    dim = features + canaries
-    x_regular = torch.zeros(regular, dim)
-    x_regular[:, :features] = torch.randn(regular, features, generator=generator)
-    y_regular = (x_regular[:, :features] @ torch.randn(features, classes, generator=generator)).argmax(1)
-    x_canary = torch.zeros(canaries, dim)
-    x_canary[torch.arange(canaries), features + torch.arange(canaries)] = canary_scale
-    y_canary = torch.randint(classes, (canaries,), generator=generator)
+    x = torch.randn(regular, features, generator=generator)
+    y = (x @ torch.randn(features, classes, generator=generator)).argmax(1)
     included = torch.rand(canaries, generator=generator) < 0.5
-    data = TensorDataset(torch.cat([x_regular, x_canary[included]]), torch.cat([y_regular, y_canary[included]]))
-
-    module = _LinearProbe(dim, classes, lr)
-    with torch.no_grad():
-        module.linear.weight[:, features:] = 0.0  # each canary's column starts at zero
-    start = module.linear.weight.detach().clone()
+    inside = int(included.sum())
+    data = TensorDataset(
+        torch.cat([x, torch.zeros(inside, features)]),
+        torch.cat([y, torch.zeros(inside, dtype=torch.long)]),
+        torch.cat([torch.full((regular,), canaries), torch.arange(canaries)[included]]),
+    )
+    module = _CanaryProbe(features, classes, canaries, canary_scale * max_grad_norm, lr)
+    recorder = _CanaryRecorder()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # small-data warnings of Lightning
         strategy = dplightning.DPStrategy(
@@ -258,78 +433,60 @@ def audit(
             enable_progress_bar=False,
             enable_model_summary=False,
             num_sanity_val_steps=0,
-            callbacks=[_NoEpsilonProgress()],
+            callbacks=[recorder],
         )
-        with sabotaged(sabotage):
+        with sabotaged(sabotage, sabotage_factor):
             trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=True))
-
-    moved = (module.linear.weight.detach() - start)[:, features:]  # [classes, m]: column j is canary j's
-    towards_label = moved[y_canary, torch.arange(canaries)] - moved.mean(0)
-    k = int(guess_fraction * canaries)
-    r, v = guesses(towards_label, included, k, k)
-    return AuditResult(
-        epsilon_lower_bound=epsilon_lower_bound(canaries, r, v, delta, confidence),
-        claimed_epsilon=strategy.get_epsilon(delta),
-        delta=delta,
-        confidence=confidence,
-        canaries=canaries,
-        included=int(included.sum()),
-        guesses=r,
-        correct=v,
-        steps=strategy.steps,
-        noise_multiplier=noise_multiplier,
+    # SGD without momentum: w_{t+1} − w_t = lr · (clipped sum + noise) / (q·N), the public expected batch
+    expected_batch = float(strategy.expected_batch_size or 0.0)
+    updates = torch.stack(recorder.iterates).diff(dim=0) * expected_batch / (lr * max_grad_norm)
+    return _ProbeRun(
+        updates=updates,
+        included=included,
         sample_rate=float(strategy.sample_rate or 0.0),
-        sabotage=sabotage,
+        claimed_epsilon=strategy.get_epsilon(delta),
+        steps=strategy.steps,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dplightning audit``; exit status 1 if the audit refutes the claimed ε."""
+    defaults = inspect.signature(audit).parameters
     parser = argparse.ArgumentParser(prog="dplightning audit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--canaries", type=int, default=1000)
-    parser.add_argument("--regular", type=int, default=500)
-    parser.add_argument("--batch-size", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--noise-multiplier", type=float, default=3.0)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--delta", type=float, default=1e-6)
-    parser.add_argument("--confidence", type=float, default=0.95)
-    parser.add_argument("--guess-fraction", type=float, default=0.25)
-    parser.add_argument("--accountant", default="prv")
+    for name, kind in [("canaries", int), ("regular", int), ("batch_size", int), ("steps", int),
+                       ("noise_multiplier", float), ("max_grad_norm", float), ("delta", float),
+                       ("confidence", float), ("k_pos", int), ("k_neg", int),
+                       ("accountant", str)]:  # fmt: skip
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=defaults[name].default)
     parser.add_argument("--seed", type=int, default=None, help="For reproducing a run (tests); default OS entropy.")
-    parser.add_argument("--sabotage", choices=["noise", "clipping"], default=None,
+    parser.add_argument("--sabotage", choices=SABOTAGES, default=None,
                         help="Break the mechanism on purpose, to check that the audit notices.")  # fmt: skip
+    parser.add_argument("--sabotage-factor", type=float, default=None,
+                        help="Factor of noise_scale (0.25: σ/4) and clipping_scale (4: 4C).")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="Print the result as JSON.")
-    args = parser.parse_args(argv)
+    args = vars(parser.parse_args(argv))
+    as_json = args.pop("json")
     torch.set_num_threads(1)
-    result = audit(
-        canaries=args.canaries,
-        regular=args.regular,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        noise_multiplier=args.noise_multiplier,
-        max_grad_norm=args.max_grad_norm,
-        delta=args.delta,
-        confidence=args.confidence,
-        guess_fraction=args.guess_fraction,
-        seed=args.seed,
-        sabotage=args.sabotage,
-        accountant=args.accountant,
-    )
-    if args.json:
+    result = audit(**args)
+    if as_json:
         print(json.dumps(_as_dict(result), indent=2))
     else:
-        verdict = "consistent with the claim"
-        if result.violation:
-            verdict = "VIOLATION: the mechanism leaks more than claimed"
-        print(
-            f"empirical ε ≥ {result.epsilon_lower_bound:.3f} at {result.confidence:.0%} confidence vs claimed "
-            f"ε = {result.claimed_epsilon:.3f} (δ = {result.delta:.3g}): {verdict}\n"
-            f"  {result.correct}/{result.guesses} correct guesses on {result.canaries} canaries "
-            f"({result.included} included), {result.steps} steps, σ = {result.noise_multiplier}, "
-            f"q = {result.sample_rate:.4g}" + (f", sabotage = {result.sabotage}" if result.sabotage else "")
-        )
+        print(_summary(result))
     return 1 if result.violation else 0
+
+
+def _summary(result: AuditResult) -> str:
+    verdict = "VIOLATION: the mechanism leaks more than claimed" if result.violation else "consistent with the claim"
+    sabotage = f", sabotage = {result.sabotage}" if result.sabotage else ""
+    if result.sabotage_factor is not None:
+        sabotage += f" x {result.sabotage_factor:g}"
+    return (
+        f"empirical ε ≥ {result.epsilon_lower_bound:.3f} at {result.confidence:.0%} confidence vs claimed "
+        f"ε = {result.claimed_epsilon:.3f} (δ = {result.delta:.3g}): {verdict}\n"
+        f"  {result.correct}/{result.guesses} correct guesses on {result.canaries} canaries "
+        f"({result.included} included), {result.steps} steps, σ = {result.noise_multiplier}, "
+        f"C = {result.max_grad_norm}, q = {result.sample_rate:.4g}{sabotage}"
+    )
 
 
 def _as_dict(result: AuditResult) -> dict[str, Any]:
