@@ -15,7 +15,9 @@ from torch import Tensor, nn
 
 
 def _fingerprint(t: Tensor) -> tuple[int, int]:
-    return id(t), t._version
+    # An inference tensor has no version counter, but it cannot be written in place outside
+    # inference mode either: only a reassignment, which its identity shows, can change it.
+    return id(t), -1 if t.is_inference() else t._version
 
 
 class BufferWatch:

@@ -73,3 +73,14 @@ def test_reading_buffers_and_writing_outside_the_step_are_not_writes() -> None:
     layer.mean.add_(1.0)
     with pytest.raises(RuntimeError, match="buffer 'mean'"):
         watch.check("a test")
+
+
+def test_an_inference_tensor_buffer_is_watched_by_identity() -> None:
+    with torch.inference_mode():
+        layer = RunningMean(3, write="none")
+    watch = BufferWatch(layer)
+    watch.snapshot()
+    watch.check("a test")
+    layer.mean = torch.ones(3)
+    with pytest.raises(RuntimeError, match="buffer 'mean'"):
+        watch.check("a test")
