@@ -30,11 +30,13 @@ from _harness import write_report
 from dplightning.audit import AuditResult, audit
 from dplightning.privacy.accounting import compute_epsilon
 
+# The score is scale-free (fitted shift and noise), so clipping at f·C reads exactly like noise σ/f.
 ROWS: list[tuple[str, str | None, float | None]] = [
     ("noise off", "noise", None),
     ("clipping off", "clipping", None),
     ("σ/4", "noise_scale", 0.25),
     ("σ/2", "noise_scale", 0.5),
+    ("3σ/4", "noise_scale", 0.75),
     ("4C", "clipping_scale", 4.0),
     ("2C", "clipping_scale", 2.0),
     ("correct", None, None),
