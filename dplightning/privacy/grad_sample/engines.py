@@ -7,7 +7,8 @@ weighted sums. Engines are registered by name and chosen per layer, first match 
 
 * ``instantiate``: forms every g_i (Opacus' per-layer samplers, or ``torch.func``).
 * ``book_keeping``: keeps A and Δ and never forms g_i for the weight matrices of Linear,
-  Conv1d/Conv2d (im2col), Embedding and Hugging Face ``Conv1D`` layers (peft's LoRA
+  ungrouped Conv1d/Conv2d/Conv3d (im2col, padded as the layer pads: any ``padding_mode``,
+  ``padding="same"``), Embedding and Hugging Face ``Conv1D`` layers (peft's LoRA
   adapters are Linear layers): norms by the ghost norm or by forming g_i, whichever takes
   less memory, and the clipped sum by one matrix product (Bu et al., arXiv 2210.00038).
   Biases and norm affines are small and formed. Other layers fall back to ``instantiate``.
@@ -24,11 +25,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dplightning.privacy.grad_sample.grads import Dense, Factored, PerExampleGrad, Summed
-from dplightning.privacy.grad_sample.samplers import LayerCall, functorch_grad_sample, registered_sampler
+from dplightning.privacy.grad_sample.samplers import (
+    LayerCall,
+    conv_columns,
+    functorch_grad_sample,
+    registered_sampler,
+)
 
 OutputGrads = list["Tensor | None"]
 
@@ -119,15 +124,8 @@ def _embedding(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factore
 
 
 def _conv(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
-    x, n = call.args[0], grad.shape[0]
-    padding = (0,) * len(layer.kernel_size) if layer.padding == "valid" else layer.padding
-    if isinstance(layer, nn.Conv1d):  # as a 2-d convolution of height 1
-        x, grad = x.unsqueeze(-2), grad.unsqueeze(-2)
-        kernel, dilation = (1, *layer.kernel_size), (1, *layer.dilation)
-        padding, stride = (0, *padding), (1, *layer.stride)
-    else:
-        kernel, dilation, stride = layer.kernel_size, layer.dilation, layer.stride
-    cols = F.unfold(x.to(grad.dtype), kernel, dilation=dilation, padding=padding, stride=stride)  # [n, C k k, P]
+    n = grad.shape[0]
+    cols = conv_columns(layer, call.args[0].to(grad.dtype))  # [n, C k, P], padded as the layer pads
     d = grad.reshape(n, grad.shape[1], math.prod(grad.shape[2:])).transpose(1, 2)  # [n, P, out]
     return Factored(d, cols.transpose(1, 2), layer.weight.shape[0], layer.weight.shape), d.sum(1)
 
@@ -149,17 +147,17 @@ def factored_kind(layer: nn.Module) -> Callable[[nn.Module, LayerCall, Tensor], 
         return _embedding
     if _is_hf_conv1d(layer):
         return _hf_conv1d
-    for conv in (nn.Conv1d, nn.Conv2d):
-        if _plain(layer, conv):
-            plain_padding = not isinstance(layer.padding, str) or layer.padding == "valid"
-            if layer.groups == 1 and layer.padding_mode == "zeros" and plain_padding:
-                return _conv
+    if any(_plain(layer, conv) for conv in _CONVS) and layer.groups == 1:  # grouped: instantiated per group
+        return _conv
     return None
+
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def weight_tokens(layer: nn.Module, call: LayerCall, grad: Tensor) -> int:
     """T, the rows per example of ``layer``'s factored weight gradient in this call."""
-    if isinstance(layer, (nn.Conv1d, nn.Conv2d)):
+    if isinstance(layer, _CONVS):
         return math.prod(grad.shape[2:])
     return math.prod(grad.shape[1:-1]) if grad.dim() > 2 else 1
 

@@ -6,6 +6,13 @@ gradient is:
 
 * ``nn.Embedding`` with ``padding_idx``: autograd leaves the padding row's gradient at
   zero; Opacus' sampler gives it the padding tokens' backprops.
+* ``nn.Conv1d/2d/3d``: Opacus' sampler pads with zeros whatever the layer's
+  ``padding_mode`` (reflect, replicate, circular: 5-50 % off). Ours pads as the layer does.
+* ``nn.LayerNorm(bias=False)``: Opacus' sampler reads the missing bias and fails.
+* ``nn.EmbeddingBag``: Opacus' sampler takes only 1-D ids with offsets and ignores
+  ``mode="max"``, ``per_sample_weights`` and ``padding_idx``. Ours differentiates each bag
+  through its own copy of the table, in every mode.
+* ``nn.Bilinear`` and ``nn.PReLU``: Opacus has no sampler; each is one contraction.
 * Hugging Face's ``Conv1D`` (GPT-2's linear layer) and ``ViTEmbeddings`` ([CLS] token and
   position embeddings, owned by the module itself): Opacus has no sampler.
 * The ``torch.func`` fallback: Opacus' re-runs a layer with its first input only, so a
@@ -21,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from opacus.grad_sample import GradSampleHooks
+from opacus.utils.tensor_utils import sum_over_all_but_batch_and_last_n, unfold3d
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -38,6 +47,8 @@ class LayerCall:
         autocast: ``(device_type, dtype)`` of the autocast region the call ran in, if any.
         fold: Rows per example when the layer saw its batch flattened batch-major
             (``[n·m, ...]`` from ``[n, m, ...]``); 1 otherwise.
+        examples: The number of examples when it is not the first input's leading
+            dimension (an ``nn.EmbeddingBag`` given 1-D ids and offsets: its bags).
     """
 
     args: tuple[Any, ...]
@@ -45,6 +56,7 @@ class LayerCall:
     output_slots: list[int] = field(default_factory=lambda: [0])
     autocast: tuple[str, torch.dtype] | None = None
     fold: int = 1
+    examples: int | None = None
 
     def folded(self) -> LayerCall:
         """The call with every ``[n·m, ...]`` input viewed as ``[n, m, ...]``."""
@@ -70,9 +82,24 @@ class LayerCall:
 
     @property
     def rows(self) -> int:
-        """Leading dimension of the first tensor input (the examples of the call)."""
+        """The examples of the call: :attr:`examples`, else the first tensor input's leading dimension."""
+        if self.examples is not None:
+            return self.examples
         first = next((a for a in self.args if isinstance(a, Tensor)), None)
         return first.shape[0] if first is not None and first.dim() > 0 else 0
+
+
+def example_rows(layer: nn.Module, call: LayerCall) -> int | None:
+    """The examples of a call whose first input does not have one row per example, else ``None``.
+
+    An ``nn.EmbeddingBag`` given 1-D ids and offsets sees one bag per example.
+    """
+    if not isinstance(layer, nn.EmbeddingBag) or type(layer).forward is not nn.EmbeddingBag.forward:
+        return None
+    ids, offsets = _call_arg(call, 0, ("input",)), _call_arg(call, 1, ("offsets",))
+    if not isinstance(ids, Tensor) or ids.dim() != 1 or not isinstance(offsets, Tensor):
+        return None
+    return offsets.shape[0] - int(layer.include_last_offset)
 
 
 GradSampler = Callable[[nn.Module, LayerCall, list["Tensor | None"]], dict[nn.Parameter, Tensor]]
@@ -163,7 +190,123 @@ def _hf_rms_norm(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) 
     return {layer.weight: per_token.reshape(per_token.shape[0], -1, per_token.shape[-1]).sum(1)}
 
 
-_OWN: dict[type[nn.Module], GradSampler] = {nn.Embedding: _embedding}
+def conv_columns(layer: nn.Module, x: Tensor) -> Tensor:
+    """``[n, C·k, P]``: the input patches each kernel position sees, padded as the layer pads.
+
+    The layer's padding (any ``padding_mode``, ``padding="same"`` with its uneven split) is
+    applied first, exactly as ``_ConvNd.forward`` does, then the patches are unfolded
+    without padding.
+    """
+    pads = layer._reversed_padding_repeated_twice
+    if any(pads):
+        x = F.pad(x, pads, mode="constant" if layer.padding_mode == "zeros" else layer.padding_mode)
+    if isinstance(layer, nn.Conv3d):
+        return unfold3d(x, kernel_size=layer.kernel_size, stride=layer.stride, dilation=layer.dilation)
+    if isinstance(layer, nn.Conv1d):  # as a 2-d convolution of height 1
+        return F.unfold(x.unsqueeze(-2), (1, *layer.kernel_size), dilation=(1, *layer.dilation),
+                        stride=(1, *layer.stride))  # fmt: skip
+    return F.unfold(x, layer.kernel_size, dilation=layer.dilation, stride=layer.stride)
+
+
+def _conv(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+    # g_i = Δ_i colsᵀ per group: output channels of group j see input channels of group j only.
+    grad = grads[0]
+    assert grad is not None
+    n, groups = grad.shape[0], layer.groups
+    params = [p for p in (layer.weight, layer.bias) if p is not None and p.requires_grad]
+    if n == 0:
+        return {p: p.new_zeros(0, *p.shape) for p in params}
+    backprops = grad.reshape(n, groups, layer.out_channels // groups, -1)  # [n, g, O/g, P]
+    out: dict[nn.Parameter, Tensor] = {}
+    if layer.weight.requires_grad:
+        cols = conv_columns(layer, call.args[0].to(grad.dtype))
+        cols = cols.reshape(n, groups, -1, cols.shape[-1])  # [n, g, C/g·k, P]
+        out[layer.weight] = torch.einsum("ngop,ngqp->ngoq", backprops, cols).reshape(n, *layer.weight.shape)
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = backprops.sum(-1).reshape(n, layer.out_channels)
+    return out
+
+
+def _layer_norm(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+    grad = grads[0]
+    assert grad is not None
+    out: dict[nn.Parameter, Tensor] = {}
+    if layer.weight is not None and layer.weight.requires_grad:
+        normed = F.layer_norm(call.args[0].to(grad.dtype), layer.normalized_shape, eps=layer.eps)
+        out[layer.weight] = sum_over_all_but_batch_and_last_n(normed * grad, layer.weight.dim())
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = sum_over_all_but_batch_and_last_n(grad, layer.bias.dim())
+    return out
+
+
+def _embedding_bag(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+    # Bag b looks its ids up in its own copy b of the table (ids shifted by b·V), so autograd's
+    # gradient of the copies is every bag's own, in every mode (max picks the same rows in each
+    # copy). Padding ids keep pointing at one shared row, whose gradient autograd leaves at zero.
+    grad = grads[0]
+    assert grad is not None
+    if not layer.weight.requires_grad:
+        return {}
+    ids, offsets = _call_arg(call, 0, ("input",)), _call_arg(call, 1, ("offsets",))
+    weights = _call_arg(call, 2, ("per_sample_weights",))
+    n, vocab = grad.shape[0], layer.num_embeddings
+    if ids.dim() == 2:
+        bag = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids)
+    else:
+        starts = offsets[:-1] if layer.include_last_offset else offsets
+        bag = (torch.searchsorted(starts, torch.arange(ids.shape[0], device=ids.device), right=True) - 1).clamp(min=0)
+    shifted = ids + bag * vocab
+    padding = None
+    if layer.padding_idx is not None:
+        padding = n * vocab
+        shifted = torch.where(ids == layer.padding_idx, torch.full_like(ids, padding), shifted)
+    table = torch.cat([layer.weight.detach().repeat(n, 1), layer.weight.detach()[:1]]).requires_grad_(True)
+    with torch.enable_grad():
+        bags = F.embedding_bag(shifted, table, offsets, mode=layer.mode, per_sample_weights=weights,
+                               include_last_offset=layer.include_last_offset, padding_idx=padding)  # fmt: skip
+        (table_grad,) = torch.autograd.grad(bags, table, grad)
+    return {layer.weight: table_grad[: n * vocab].view(n, vocab, layer.embedding_dim)}
+
+
+def _bilinear(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+    # y_o = x1ᵀ W_o x2 + b_o: g_i = Σ_t Δ_t ⊗ x1_t ⊗ x2_t over the positions t of example i.
+    grad = grads[0]
+    assert grad is not None
+    n = grad.shape[0]
+    x1, x2 = _call_arg(call, 0, ("input1",)), _call_arg(call, 1, ("input2",))
+    d = grad.reshape(n, -1, grad.shape[-1])
+    out: dict[nn.Parameter, Tensor] = {}
+    if layer.weight.requires_grad:
+        a, b = (x.to(grad.dtype).reshape(n, -1, x.shape[-1]) for x in (x1, x2))
+        out[layer.weight] = torch.einsum("nto,nti,ntj->noij", d, a, b)
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = d.sum(1)
+    return out
+
+
+def _prelu(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+    # y = max(0, x) + a·min(0, x) per channel (dim 1), or with one a for every element.
+    grad, x = grads[0], call.args[0]
+    assert grad is not None
+    if not layer.weight.requires_grad:
+        return {}
+    n = grad.shape[0]
+    per_element = grad * x.to(grad.dtype).clamp(max=0)
+    if layer.num_parameters == 1:
+        return {layer.weight: per_element.reshape(n, -1).sum(1, keepdim=True)}
+    return {layer.weight: per_element.reshape(n, layer.num_parameters, -1).sum(2)}
+
+
+_OWN: dict[type[nn.Module], GradSampler] = {
+    nn.Embedding: _embedding,
+    nn.EmbeddingBag: _embedding_bag,
+    nn.Conv1d: _conv,
+    nn.Conv2d: _conv,
+    nn.Conv3d: _conv,
+    nn.LayerNorm: _layer_norm,
+    nn.Bilinear: _bilinear,
+    nn.PReLU: _prelu,
+}
 # Hugging Face layers, matched by name so that the check does not import transformers (seconds) for every
 # model. The RMSNorm classes listed share LlamaRMSNorm's forward line for line (Gemma's and OLMo-2's do not).
 _HF_OWN: dict[str, GradSampler] = {
@@ -198,23 +341,35 @@ def functorch_grad_sample(layer: nn.Module, call: LayerCall, grads: list[Tensor 
     """Per-example gradients of any layer by replaying its call per example under ``torch.func``.
 
     Every input whose leading dimension equals the call's row count is split per example;
-    the others (ints, masks shared by the batch) are passed whole. The replay runs in the
-    autocast state of the original call.
+    the others (ints, masks shared by the batch) are passed whole. ``nn.MultiheadAttention``'s
+    ``attn_mask`` is never taken for a per-example input: a ``[T, S]`` mask is shared (even
+    when T is the batch size) and a ``[n·h, T, S]`` one is split into its h rows per example.
+    The replay runs in the autocast state of the original call.
+
+    Raises:
+        RuntimeError: If an output that received a gradient has no leading dimension of one
+            row per example (the layer reduced over the batch).
     """
     trainable = {n: p for n, p in layer.named_parameters() if p.requires_grad}
     fixed: dict[str, Tensor] = {n: p.detach() for n, p in layer.named_parameters() if not p.requires_grad}
     fixed.update(dict(layer.named_buffers()))
     rows = call.rows
+    used = [(slot, g) for slot, g in zip(call.output_slots, grads) if g is not None]
+    if any(g.dim() == 0 or g.shape[0] != rows for _, g in used):
+        raise RuntimeError(
+            f"An output of {type(layer).__name__} has no leading dimension of {rows} rows, one per example "
+            f"(output gradient shapes {[list(g.shape) for _, g in used]}): the layer reduces over the batch, so "
+            "its per-example gradients are undefined. Return one row per example (e.g. reduction='none')."
+        )
     if rows == 0:
         return {p: p.new_zeros(0, *p.shape) for p in trainable.values()}
     leaves, spec = tree_flatten((call.args, call.kwargs))
-    batched = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows]
-    used = [(slot, g) for slot, g in zip(call.output_slots, grads) if g is not None]
+    batched = _per_example_inputs(layer, call, leaves)
 
     def loss(params: dict[str, Tensor], inputs: list[Tensor], out_grads: list[Tensor]) -> Tensor:
         full = list(leaves)
-        for i, t in zip(batched, inputs):
-            full[i] = t.unsqueeze(0)
+        for (i, (_, grouped)), t in zip(batched.items(), inputs):
+            full[i] = t if grouped else t.unsqueeze(0)
         args, kwargs = tree_unflatten(full, spec)
         with torch.autocast(*call.autocast) if call.autocast else nullcontext():
             outputs, _ = tree_flatten(functional_call(layer, {**params, **fixed}, tuple(args), kwargs))
@@ -222,7 +377,7 @@ def functorch_grad_sample(layer: nn.Module, call: LayerCall, grads: list[Tensor 
 
     try:
         per_example = vmap(grad(loss), in_dims=(None, 0, 0))(
-            trainable, [leaves[i] for i in batched], [g for _, g in used]
+            trainable, [t for t, _ in batched.values()], [g for _, g in used]
         )
     except RuntimeError as err:
         if "randomness" not in str(err):
@@ -233,6 +388,26 @@ def functorch_grad_sample(layer: nn.Module, call: LayerCall, grads: list[Tensor 
             "eval() mode, or give it a registered per-example sampler."
         ) from err
     return {trainable[n]: g for n, g in per_example.items()}
+
+
+_GROUPED_KWARGS: dict[type[nn.Module], set[str]] = {nn.MultiheadAttention: {"attn_mask"}}
+"""Keyword arguments that are shared by the batch, or hold a whole number of rows per example, but never one."""
+
+
+def _per_example_inputs(layer: nn.Module, call: LayerCall, leaves: list[Any]) -> dict[int, tuple[Tensor, bool]]:
+    """Inputs split per example: leaf index -> (``[n, ...]`` tensor, whether a slice is already a batch)."""
+    rows = call.rows
+    grouped = {id(v) for k, v in call.kwargs.items() if k in _GROUPED_KWARGS.get(type(layer), ())}
+    out: dict[int, tuple[Tensor, bool]] = {}
+    for i, t in enumerate(leaves):
+        if not isinstance(t, Tensor) or t.dim() == 0:
+            continue
+        if id(t) in grouped:
+            if t.dim() == 3 and t.shape[0] % rows == 0:  # [n·h, T, S] -> [n, h, T, S]
+                out[i] = (t.reshape(rows, t.shape[0] // rows, *t.shape[1:]), True)
+        elif t.shape[0] == rows:
+            out[i] = (t, False)
+    return out
 
 
 _BATCH_MAJOR_CONTAINERS: set[str] = {
