@@ -20,7 +20,12 @@ strategy needs:
 * **Autograd's own weight gradients can be skipped.** The strategy may turn
   ``requires_grad`` off on the privatized parameters during the backward (the engines do
   not need autograd's ``p.grad``, only the layers' inputs and output gradients); a
-  layer whose output would then not require gradient is made to.
+  layer whose output would then not require gradient hands on a copy that does, made
+  by an op so that in-place ops after the layer (``ReLU(inplace=True)``) still work
+  (a layer whose output is a view hands on a copy too: see :func:`_hookable`).
+  ``nn.TransformerEncoder``'s inference fast path (taken in ``eval()`` when nothing
+  requires gradient) packs the batch into a nested tensor for its layers, so it is
+  turned off while it runs a captured forward.
 """
 
 from __future__ import annotations
@@ -31,15 +36,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from dplightning.privacy.grad_sample.broadcast import broadcast_embeddings
 from dplightning.privacy.grad_sample.engines import Engine, make_engine
 from dplightning.privacy.grad_sample.grads import Dense, PerExampleGrad, add
-from dplightning.privacy.grad_sample.samplers import LayerCall, batch_major_layers
+from dplightning.privacy.grad_sample.samplers import LayerCall, batch_major_layers, example_rows
 from dplightning.privacy.grad_sample.transforms import SlotTransform
-from dplightning.privacy.grad_sample.validation import check_model, handled_per_layer, own_parameters
+from dplightning.privacy.grad_sample.validation import check_model, handled_per_layer, unit_parameters
 
 
 def _detach(value: Any) -> Any:
@@ -55,6 +60,32 @@ def _autocast_state(tensors: Sequence[Tensor]) -> tuple[str, torch.dtype] | None
 
 def _is_plain_embedding(layer: nn.Module) -> bool:
     return isinstance(layer, nn.Embedding) and type(layer).forward is nn.Embedding.forward
+
+
+def _hookable(output: Tensor) -> Tensor | None:
+    """A copy of ``output`` to hand on in its place, where a gradient hook on ``output`` itself would fail.
+
+    * ``output`` does not require gradient (autograd's weight gradients are off and this is
+      the first layer): a leaf made to require it, or a view of one, would refuse in-place
+      ops after the layer (``ReLU(inplace=True)``: "a leaf Variable that requires grad is
+      being used in an in-place operation"); its sum with a zero that requires gradient
+      is neither.
+    * ``output`` is a view (``nn.Linear`` on ``[n, T, d]``, ``InstanceNorm``): an in-place op
+      on a view moves its history onto its base, and a hook on the view never fires.
+
+    The layer's own output is freed as usual; the copy costs one elementwise pass.
+    """
+    if not output.requires_grad:
+        return output + output.new_zeros((), requires_grad=True)
+    if output._is_view():
+        return output.clone()
+    return None
+
+
+_FAST_PATH_LAYERS = (nn.TransformerEncoder,)
+"""Layers whose ``eval()`` fast path, taken when nothing requires gradient, feeds their sub-layers nested
+tensors (a padded batch packed without its padding). Transformer layers and attention skip their own
+fast paths when hooks are attached to them."""
 
 
 class PerExampleHooks:
@@ -104,13 +135,18 @@ class PerExampleHooks:
             if _is_plain_embedding(layer) and layer in broadcast:
                 self._handles.append(layer.register_forward_pre_hook(self._expand_broadcast_batch))
             self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True))
+        self._fast_path: list[bool] = []
+        for m in module.modules():
+            if isinstance(m, _FAST_PATH_LAYERS) and any(p in self.params for p in m.parameters()):
+                self._handles.append(m.register_forward_pre_hook(self._no_fast_path))
+                self._handles.append(m.register_forward_hook(self._restore_fast_path, always_call=True))
 
     def _layers(self, module: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
         """Modules owning privatized parameters; a layer only ``torch.func`` handles covers its subtree."""
         layers: dict[nn.Module, list[nn.Parameter]] = {}
 
         def visit(m: nn.Module) -> None:
-            own = [p for p in own_parameters(m) if p in self.params]
+            own = unit_parameters(m, self.params)
             if own and not handled_per_layer(m):
                 layers[m] = [p for p in m.parameters() if p in self.params]
                 return
@@ -141,6 +177,15 @@ class PerExampleHooks:
     def _recording(self, layer: nn.Module) -> bool:
         return self.capturing and torch.is_grad_enabled() and layer in self.layers
 
+    def _no_fast_path(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
+        self._fast_path.append(torch.backends.mha.get_fastpath_enabled())
+        if self.capturing and torch.is_grad_enabled():
+            torch.backends.mha.set_fastpath_enabled(False)
+
+    def _restore_fast_path(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._fast_path:
+            torch.backends.mha.set_fastpath_enabled(self._fast_path.pop())
+
     def _expand_broadcast_batch(self, layer: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         # Exact only for the declared embeddings whose [1, T] lookup is added to a batch-first
         # tensor (see broadcast.py): each example then backpropagates into its own copy.
@@ -151,24 +196,26 @@ class PerExampleHooks:
             return (ids.expand(rows, *ids.shape[1:]), *args[1:])
         return None
 
-    def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not self._recording(layer):
-            return
-        outputs, _ = tree_flatten(output)
+            return None
+        outputs, spec = tree_flatten(output)
         slots = [i for i, t in enumerate(outputs) if isinstance(t, Tensor) and t.is_floating_point()]
         if not slots:
-            return
-        for i in slots:  # with autograd's weight gradients off, the first layer's output would need none
-            if not outputs[i].requires_grad and outputs[i].grad_fn is None:
-                outputs[i].requires_grad_(True)
-        fold = self._rows_per_example(layer, args)
+            return None
+        replaced = False
+        for i in slots:
+            copy = _hookable(outputs[i])
+            if copy is not None:
+                outputs[i], replaced = copy, True
         call = LayerCall(
             args=tuple(_detach(a) for a in args),
             kwargs={k: _detach(v) for k, v in kwargs.items()},
             output_slots=slots,
             autocast=_autocast_state([t for t in args if isinstance(t, Tensor)]),
-            fold=fold,
         )
+        call.examples = example_rows(layer, call)
+        call.fold = self._rows_per_example(layer, call)
         tensors = [outputs[i] for i in slots]
         self._outstanding[layer] = self._outstanding.get(layer, 0) + 1
         if len(tensors) == 1:
@@ -177,18 +224,19 @@ class PerExampleHooks:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grads: self._on_output_grads(layer, call, list(grads))
             )
+        return tree_unflatten(outputs, spec) if replaced else None
 
-    def _rows_per_example(self, layer: nn.Module, args: tuple[Any, ...]) -> int:
+    def _rows_per_example(self, layer: nn.Module, call: LayerCall) -> int:
         """1, or m when a layer known to see batch-major flattened input has m rows per example."""
-        first = next((a for a in args if isinstance(a, Tensor)), None)
-        rows = self.batch_rows
-        if rows is None or first is None or first.dim() == 0 or first.shape[0] == rows:
+        first = next((a for a in call.args if isinstance(a, Tensor)), None)
+        rows, seen = self.batch_rows, call.rows
+        if rows is None or first is None or first.dim() == 0 or seen == rows:
             return 1
-        if layer in self._batch_major and rows > 0 and first.shape[0] % rows == 0:
-            return first.shape[0] // rows
+        if layer in self._batch_major and rows > 0 and seen % rows == 0 and call.examples is None:
+            return seen // rows
         raise RuntimeError(
             f"Layer '{self._names.get(layer, type(layer).__name__)}' ({type(layer).__name__}) was called with an "
-            f"input of {first.shape[0]} rows (shape {list(first.shape)}) while the training batch has {rows} "
+            f"input of {seen} rows (shape {list(first.shape)}) while the training batch has {rows} "
             "examples, so its per-example gradients cannot be told apart. Either the layer is fed sequence-first "
             "input (batch_first=False: the privacy unit must be the batch's first dimension), or the model "
             "broadcasts a batch dimension of 1 over the batch after this layer (a tensor of shape [1, ...] shared "

@@ -44,6 +44,71 @@ def handled_per_layer(module: nn.Module) -> bool:
     return registered_sampler(module) is not None or factored_kind(module) is not None
 
 
+_LINEAR_CROSS_ENTROPY: tuple[type[nn.Module], ...] = tuple(filter(None, [getattr(nn, "LinearCrossEntropyLoss", None)]))
+_USES_CHILDREN_WEIGHTS = (nn.MultiheadAttention, *_LINEAR_CROSS_ENTROPY)
+"""Layers whose forward reads their children's weights (``out_proj.weight``) without calling the children."""
+
+
+def unit_parameters(module: nn.Module, params: Collection[nn.Parameter]) -> list[nn.Parameter]:
+    """The privatized parameters that ``module``'s own forward computes with.
+
+    Its own parameters, and those of its whole subtree for a layer that reads its
+    children's weights without calling them (a hook on such a child would never fire).
+    """
+    scope = module.parameters() if isinstance(module, _USES_CHILDREN_WEIGHTS) else own_parameters(module)
+    return [p for p in scope if p in params]
+
+
+_SEQUENCE_FIRST = (nn.MultiheadAttention, nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder,
+                   nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)  # fmt: skip
+
+
+def _refusal(module: nn.Module) -> str | None:
+    """Why per-example gradients of a layer holding privatized parameters are refused, if they are."""
+    if isinstance(module, (nn.RNNBase, nn.RNNCellBase)):
+        return (
+            "its fused kernel has no per-example sampler, torch.func cannot replay GRU/RNN cells per example, and "
+            "its initial state (batch in dim 1) would not be split by example; use opacus.layers.DPLSTM/DPGRU/DPRNN "
+            "(same parameter names; cells: opacus.layers.dp_rnn.DPLSTMCell/DPGRUCell/DPRNNCell), whose gates are "
+            "nn.Linear layers"
+        )
+    if isinstance(module, nn.AdaptiveLogSoftmaxWithLoss):
+        return (
+            "it calls its tail layers on the subset of the batch whose targets fall in each cluster and returns the "
+            "batch's mean loss, so no layer sees one row per example; use an nn.Linear head and a per-example loss"
+        )
+    if isinstance(module, _LINEAR_CROSS_ENTROPY) and module.reduction != "none":
+        return f"reduction={module.reduction!r} reduces over the batch; use reduction='none' and reduce per example"
+    if isinstance(module, _SEQUENCE_FIRST) and not _batch_first(module):
+        return "batch_first=False feeds it sequence-first input; the privacy unit must be the first dimension"
+    return None
+
+
+def _batch_first(module: nn.Module) -> bool:
+    attention = [m for m in module.modules() if isinstance(m, nn.MultiheadAttention)]
+    return all(m.batch_first for m in attention)
+
+
+def refused_layers(module: nn.Module, params: Collection[nn.Parameter]) -> list[str]:
+    """``name (type): reason`` for every outermost layer holding privatized parameters that no engine can handle."""
+    refused: list[str] = []
+    inside: set[nn.Module] = set()
+    for name, m in module.named_modules():
+        if m in inside or not any(p in params for p in m.parameters()):
+            continue
+        reason = _refusal(m)
+        if reason is not None:
+            refused.append(f"{name or '<root>'} ({type(m).__name__}): {reason}")
+            inside.update(m.modules())
+        lazy = [n for n, p in m.named_parameters(recurse=False) if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            refused.append(
+                f"{name or '<root>'} ({type(m).__name__}): its parameters {lazy} are not initialized yet (a lazy "
+                "layer); run one forward pass before fitting (e.g. in configure_model or __init__)"
+            )
+    return refused
+
+
 def check_model(module: nn.Module, params: Collection[nn.Parameter], functorch_fallback: bool) -> None:
     """Raise, naming the modules and the fix, if ``module`` cannot be trained with per-example clipping.
 
@@ -54,13 +119,18 @@ def check_model(module: nn.Module, params: Collection[nn.Parameter], functorch_f
     """
     mixing = mixing_modules(module)
     if mixing:
+        kinds = sorted({type(m).__name__ for name, m in module.named_modules() if (name or type(m).__name__) in mixing})
         raise ValueError(
-            f"Per-example clipping is undefined with modules that mix the examples of a batch: {mixing}. "
+            f"Per-example clipping is undefined with modules that mix the examples of a batch: {mixing} "
+            f"({', '.join(kinds)}). "
             "Replace BatchNorm with GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix(model) "
             "does it) and set track_running_stats=False on InstanceNorm."
         )
     check_embeddings(module)
     check_no_gradient_checkpointing(module)
+    refused = refused_layers(module, params)
+    if refused:
+        raise ValueError("Per-example gradients cannot be computed for these layers:\n  " + "\n  ".join(refused))
     if any(p in params for p in own_parameters(module)):
         raise ValueError(
             f"{type(module).__name__} owns trainable parameters directly; per-example gradients are "
@@ -71,7 +141,7 @@ def check_model(module: nn.Module, params: Collection[nn.Parameter], functorch_f
     missing = [
         f"{name or '<root>'} ({type(m).__name__})"
         for name, m in module.named_modules()
-        if any(p in params for p in own_parameters(m)) and not handled_per_layer(m)
+        if unit_parameters(m, params) and not handled_per_layer(m)
     ]
     if missing:
         raise ValueError(
@@ -104,14 +174,24 @@ def check_no_gradient_checkpointing(module: nn.Module) -> None:
 
 
 def check_embeddings(module: nn.Module) -> None:
-    """Refuse trainable embeddings whose gradient couples the examples or is sparse.
+    """Refuse embeddings that write the batch into their weights; trainable ones with coupled or sparse gradients.
 
-    ``scale_grad_by_freq`` divides each token's gradient by its count in the whole batch,
-    so one example's gradient depends on the others; ``sparse`` gradients bypass the
-    dense buckets the noise is added to.
+    ``max_norm`` rescales, in place and outside any gradient, the rows the batch looks
+    up: which rows were rescaled tells which tokens the private data held, trainable or
+    frozen. ``scale_grad_by_freq`` divides each token's gradient by its count in the whole
+    batch, so one example's gradient depends on the others; ``sparse`` gradients bypass
+    the dense buckets the noise is added to.
     """
     for name, m in module.named_modules():
-        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)) or not m.weight.requires_grad:
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        if m.max_norm is not None:
+            raise ValueError(
+                f"{type(m).__name__} '{name}' has max_norm={m.max_norm}: its forward rescales, in place, the rows the "
+                "batch looks up, a change of the weights that depends on the private data and bypasses the noise. "
+                "Set max_norm=None (renormalising every row after the optimizer step depends on released values only)."
+            )
+        if not m.weight.requires_grad:
             continue
         if m.scale_grad_by_freq:
             raise ValueError(
