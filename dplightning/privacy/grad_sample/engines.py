@@ -5,7 +5,7 @@ gradient Δ of its output) into the per-example gradients of the layer's paramet
 :class:`~dplightning.privacy.grad_sample.grads.PerExampleGrad` objects that give norms and
 weighted sums. Engines are registered by name and chosen per layer, first match wins:
 
-* ``instantiate``: forms every g_i (Opacus' per-layer samplers, or ``torch.func``).
+* ``instantiate``: forms every g_i (per-layer samplers, ours or Opacus', or ``torch.func``).
 * ``book_keeping``: keeps A and Δ and never forms g_i for the weight matrices of Linear,
   ungrouped Conv1d/Conv2d/Conv3d (im2col, padded as the layer pads: any ``padding_mode``,
   ``padding="same"``), Embedding and Hugging Face ``Conv1D`` layers (peft's LoRA
