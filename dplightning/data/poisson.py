@@ -10,7 +10,6 @@ included: every rank yields the same number of batches, so no rank waits for ano
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
