@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("noise_multiplier", float), ("max_grad_norm", float), ("delta", float),
                        ("confidence", float), ("k_pos", int), ("k_neg", int),
                        ("accountant", str)]:  # fmt: skip
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=defaults[name].default)
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=defaults[name].default,
+                            help="default: %(default)s")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="For reproducing a run (tests); default OS entropy.")
     parser.add_argument("--sabotage", choices=SABOTAGES, default=None,
                         help="Break the mechanism on purpose, to check that the audit notices.")  # fmt: skip
