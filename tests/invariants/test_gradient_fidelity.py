@@ -59,6 +59,14 @@ def assert_dp_step_is_the_autograd_step(module: pl.LightningModule, data: DataLo
     assert moved  # the reference step really trained something
 
 
+def assert_refused_before_any_update(module: pl.LightningModule, data: DataLoader, error: type, match: str) -> None:
+    before = params_of(module)
+    with pytest.raises(error, match=match):
+        _one_step(module, data, dp(max_grad_norm=NO_CLIP))
+    for name, p in module.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
 
@@ -192,12 +200,9 @@ def test_declared_broadcast_position_ids_are_looked_up_per_example() -> None:
 )
 def test_undeclared_broadcast_embedding_is_refused_before_any_update(combine) -> None:
     ids = torch.randint(0, 9, (N, 5), generator=torch.Generator().manual_seed(2))
-    module = Net(_Positions(combine))
-    before = params_of(module)
-    with pytest.raises(RuntimeError, match=r"'net\.pos'.*1 rows.*register_broadcast_embedding"):
-        _one_step(module, _data(ids), dp(max_grad_norm=NO_CLIP))
-    for name, p in module.named_parameters():
-        assert torch.equal(p, before[name]), name
+    assert_refused_before_any_update(
+        Net(_Positions(combine)), _data(ids), RuntimeError, r"'net\.pos'.*1 rows.*register_broadcast_embedding"
+    )
 
 
 def test_layer_unfrozen_during_training_is_trained() -> None:
@@ -377,21 +382,18 @@ class _SequenceFirst(nn.Module):
 
 
 def test_dataclass_batch_is_counted_and_sequence_first_input_refused() -> None:
-    module = _ObjectBatches(_SequenceFirst())
-    before = params_of(module)
-    with pytest.raises(RuntimeError, match=r"'net\.step'.*6 rows.*12 examples.*sequence-first"):
-        _one_step(module, _object_data(torch.randn(N, 6, 4), _DataclassBatch), dp(max_grad_norm=NO_CLIP))
-    for name, p in module.named_parameters():
-        assert torch.equal(p, before[name]), name
+    assert_refused_before_any_update(
+        _ObjectBatches(_SequenceFirst()),
+        _object_data(torch.randn(N, 6, 4), _DataclassBatch),
+        RuntimeError,
+        r"'net\.step'.*6 rows.*12 examples.*sequence-first",
+    )
 
 
 def test_batch_of_unknown_size_is_refused_naming_the_hook() -> None:
-    module = _ObjectBatches(_mlp())
-    before = params_of(module)
-    with pytest.raises(TypeError, match=r"_OpaqueBatch.*dp_batch_size"):
-        _one_step(module, _object_data(_x(6), _OpaqueBatch), dp(max_grad_norm=NO_CLIP))
-    for name, p in module.named_parameters():
-        assert torch.equal(p, before[name]), name
+    assert_refused_before_any_update(
+        _ObjectBatches(_mlp()), _object_data(_x(6), _OpaqueBatch), TypeError, r"_OpaqueBatch.*dp_batch_size"
+    )
 
 
 def test_batch_counted_by_the_module_hook_gives_the_autograd_step() -> None:
@@ -404,3 +406,17 @@ def test_module_hook_must_return_a_count() -> None:
     module.dp_batch_size = lambda batch: 12.0
     with pytest.raises(ValueError, match=r"dp_batch_size.*int >= 0.*12\.0"):
         _one_step(module, _object_data(_x(6), _OpaqueBatch), dp(max_grad_norm=NO_CLIP))
+
+
+def test_layer_called_without_a_positional_input_is_refused() -> None:
+    class KeywordCall(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(6, 5), nn.Linear(5, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.body(input=x).tanh())  # no positional tensor: the samplers split args[0]
+
+    assert_refused_before_any_update(
+        Net(KeywordCall()), _data(_x(6)), RuntimeError, r"'net\.body'.*without a positional tensor input"
+    )

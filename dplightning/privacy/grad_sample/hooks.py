@@ -230,8 +230,15 @@ class PerExampleHooks:
         """1, or m when a layer known to see batch-major flattened input has m rows per example."""
         first = next((a for a in call.args if isinstance(a, Tensor)), None)
         rows, seen = self.batch_rows, call.rows
-        if rows is None or first is None or first.dim() == 0 or seen == rows:
+        if rows is None or seen == rows:
             return 1
+        if call.examples is None and (first is None or first.dim() == 0):
+            # The samplers (and the torch.func replay) split the call by its first positional tensor.
+            raise RuntimeError(
+                f"Layer '{self._names.get(layer, type(layer).__name__)}' ({type(layer).__name__}) was called without "
+                f"a positional tensor input whose first dimension is the batch ({rows} examples), so its per-example "
+                "gradients cannot be formed. Pass its input positionally: layer(x), not layer(input=x)."
+            )
         if layer in self._batch_major and rows > 0 and seen % rows == 0 and call.examples is None:
             return seen // rows
         raise RuntimeError(
