@@ -69,9 +69,15 @@ class TinyModule(pl.LightningModule):
     def loss(self, out: Tensor, y: Tensor) -> Tensor:
         return 0.0 * out.sum() if self.zero_loss else F.cross_entropy(out, y)
 
+    def record(self, x: Tensor, y: Tensor) -> None:
+        """Keep a batch trained on (on the CPU, where references run); not the coupling probe's replay."""
+        trainer = self._trainer
+        if trainer is None or not getattr(trainer.strategy, "probing", False):
+            self.batches.append((x.detach().cpu(), y.detach().cpu()))
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        self.batches.append((x.detach().cpu(), y.detach().cpu()))  # references run on the CPU
+        self.record(x, y)
         return self.loss(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -91,7 +97,7 @@ class ManualModule(TinyModule):
         opt = self.optimizers()
         opt.zero_grad()
         x, y = batch
-        self.batches.append((x.detach().cpu(), y.detach().cpu()))
+        self.record(x, y)
         loss = self.loss(self(x), y)
         self.manual_backward(loss)
         opt.step()

@@ -52,8 +52,9 @@ from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress,
 from dplightning.strategies.accounting import PrivacyAccounting, library_versions
 from dplightning.strategies.checkpoint import atomic_save, is_local_path
 from dplightning.strategies.config import DPConfig
+from dplightning.strategies.coupling import CouplingProbe, probe_batch, quietly, rng_state, step_loss
 from dplightning.strategies.journal import PrivacyJournal
-from dplightning.strategies.private_step import PrivateStep
+from dplightning.strategies.private_step import VERIFIED_STEPS, PrivateStep
 
 CHECKPOINT_KEY = "dplightning"
 
@@ -76,6 +77,7 @@ class _DPHooks(Strategy):
         self._run_id = uuid.uuid4().hex  # names this run's privacy journal; kept in its checkpoints
         self._warned_nonfinite = False
         self._nonfinite_seen = 0  # the count at the last release (examples are counted when clipped)
+        self._released_this_fit = 0  # the coupling probe runs on the first steps of every fit
 
     # ------------------------------------------------------------------ public API
 
@@ -114,6 +116,17 @@ class _DPHooks(Strategy):
                 register in ``Callback.setup``, before fit starts.
         """
         self.accounting.register_step_release(name, noise_multiplier)
+
+    @property
+    def probing(self) -> bool:
+        """Whether ``training_step`` is running on the coupling probe's batch, not a real one.
+
+        On the first steps of a fit the strategy runs ``training_step`` a second time on a probe
+        batch, with logging off, to check that each example's gradient depends on that example
+        alone (``dplightning/strategies/coupling.py``). A step with side effects of its own
+        (counters, recorded batches) can skip them while this is ``True``.
+        """
+        return self.private_step is not None and self.private_step.probing
 
     @property
     def ledger(self) -> PrivacyLedger:
@@ -353,6 +366,7 @@ class _DPHooks(Strategy):
         capturing = lambda: self.private_step is not None and self.private_step.hooks.capturing  # noqa: E731
         self._extra_handles = refuse_batch_mean_loss(module, capturing)
         self._nonfinite_seen, self._warned_nonfinite = 0, False
+        self._released_this_fit = 0
         self._restore_dp_state(trainer)
         if not any(isinstance(cb, ShowsEpsilon) and cb.shows_epsilon for cb in trainer.callbacks):
             trainer.callbacks.append(_EpsilonProgress())
@@ -457,8 +471,9 @@ class _DPHooks(Strategy):
         assert self._trainer is not None
         # Lightning divides the loss by k under automatic optimization; a manual step's loss is as written.
         divisor = self._trainer.accumulate_grad_batches if automatic else 1
+        probe = self._coupling_probe(units, args, kwargs)
         try:
-            with step.batch(units, _rows_per_unit(module), automatic, divisor):
+            with step.batch(units, _rows_per_unit(module), automatic, divisor, probe):
                 return run()
         except Exception as err:
             if units == 0:
@@ -469,6 +484,34 @@ class _DPHooks(Strategy):
                     "sum / max(n, 1)."
                 ) from err
             raise
+
+    def _coupling_probe(self, units: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CouplingProbe | None:
+        """The coupling probe of this batch, on the first steps of a fit under automatic optimization.
+
+        Every rank probes on the same steps (a ``training_step`` with collectives must stay in
+        lock-step), even with fewer than two examples, where there is nothing to compare.
+        """
+        module, verify = self.lightning_module, self.dp_config.verify_gradients
+        assert module is not None
+        if not module.automatic_optimization or verify == "never":
+            return None
+        if verify == "first_steps" and self._released_this_fit >= VERIFIED_STEPS:
+            return None
+        if units < 2 and self.world_size == 1:
+            return None
+        if args:
+            probe, kept = probe_batch(args[0], units)
+            args = (probe, *args[1:])
+        else:
+            probe, kept = probe_batch(kwargs["batch"], units)
+            kwargs = {**kwargs, "batch": probe}
+        parent = super()
+
+        def run() -> Tensor | None:
+            with quietly(module):
+                return step_loss(parent.training_step(*args, **kwargs))
+
+        return CouplingProbe(run, kept, rng_state())
 
     def _private_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         if self.private_step is None:
@@ -519,6 +562,7 @@ class _DPHooks(Strategy):
         total = self.noise_std
         step.release(self._local_noise_std(total), total, self.expected_batch_size, self._bucket_reducer(), self.steps)
         self.accounting.step()
+        self._released_this_fit += 1
         journal = self._journal()
         if journal is not None and self.is_global_zero and self.accounting.ledger.history:
             sigma, q, _ = self.accounting.ledger.history[-1]

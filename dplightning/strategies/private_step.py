@@ -37,6 +37,7 @@ from dplightning.privacy.mechanism import (
 from dplightning.privacy.noise import GaussianNoise
 from dplightning.protocols import DPPlan, DPPlanned, DPRelease
 from dplightning.strategies.config import DPConfig
+from dplightning.strategies.coupling import CouplingProbe, coupled_parameters, rng_state, set_rng_state
 
 VERIFIED_STEPS = 2
 """Steps with a non-empty batch that ``verify_gradients="first_steps"`` checks after each (re)planning."""
@@ -71,6 +72,10 @@ class PrivateStep:
         self._suspended: list[nn.Parameter] = []
         self._batch_units: int | None = None
         self._rows_per_unit = 1
+        self._loss_divisor = 1
+        self._probe: CouplingProbe | None = None
+        self.probing = False
+        """Whether ``training_step`` is running on the coupling probe's batch (see strategies/coupling.py)."""
         self._verify_left = 0
         self._verified_rows = False
         self.hooks: PerExampleHooks | None = None
@@ -149,12 +154,20 @@ class PrivateStep:
         return self.config.verify_gradients == "always" or self._verify_left > 0
 
     @contextmanager
-    def batch(self, units: int, rows_per_unit: int, automatic: bool, loss_divisor: int) -> Iterator[None]:
+    def batch(
+        self,
+        units: int,
+        rows_per_unit: int,
+        automatic: bool,
+        loss_divisor: int,
+        probe: CouplingProbe | None = None,
+    ) -> Iterator[None]:
         """Capture one training batch of ``units`` privacy units, ``rows_per_unit`` forward rows each.
 
         ``automatic``: automatic optimization (each backward pass covers a whole micro-batch);
         ``loss_divisor``: what the loss is divided by before its backward (Lightning's k under
-        automatic optimization, 1 under manual).
+        automatic optimization, 1 under manual); ``probe``: the coupling probe to run after
+        the batch's backward pass (automatic optimization only).
 
         Outside verification, autograd's own weight gradients are turned off for the batch (the
         engines need only the layers' inputs and output gradients): from here to the end of its
@@ -162,7 +175,7 @@ class PrivateStep:
         """
         assert self.hooks is not None
         self._batch_units, self._rows_per_unit = units, rows_per_unit
-        self._automatic = automatic
+        self._automatic, self._loss_divisor, self._probe = automatic, loss_divisor, probe
         # From the captured gradients of the backpropagated loss to each unit's own gradient.
         self._scale = float(loss_divisor) * (float(units) if self.config.loss_reduction == "mean" and units else 1.0)
         # Per-layer groups are clipped as soon as their layer's backward is done (their inputs and
@@ -207,6 +220,8 @@ class PrivateStep:
         grads = self.hooks.pop(self._rows_per_unit)
         if self.verifying:
             self._verify(grads)
+        if self._probe is not None:
+            self._check_coupling(grads)
         for p in self.module.parameters():
             if p.grad is not None:
                 p.grad = None  # the raw sum is not private; only the released gradient may reach the optimizer
@@ -255,6 +270,41 @@ class PrivateStep:
                 "training_step), or a custom autograd path. Use the weight through its module (tie it to an "
                 "nn.Linear), move weight penalties into the optimizer (weight_decay), or freeze it. "
                 "(verify_gradients='never' turns this check off.)"
+            )
+
+    def _check_coupling(self, grads: dict[nn.Parameter, PerExampleGrad]) -> None:
+        """Replay the step on the probe batch; refuse if a kept unit's gradient changed (strategies/coupling.py)."""
+        assert self.hooks is not None and self._probe is not None and self._batch_units is not None
+        probe, self._probe = self._probe, None
+        self._early = False  # the probe's gradients must not reach the buckets
+        after = rng_state()
+        set_rng_state(probe.rng)
+        self.probing = True
+        try:
+            with self.hooks.capture(self._batch_units * self._rows_per_unit):
+                loss = probe.run()
+            if loss is not None and loss.requires_grad:
+                (loss / self._loss_divisor).backward()
+        finally:
+            self.probing = False
+            replayed = self.hooks.pop(self._rows_per_unit)
+            set_rng_state(after)
+        if self._batch_units < 2 or loss is None:
+            return
+        differing = coupled_parameters(grads, replayed, probe.kept)
+        if differing:
+            names = {p: n for n, p in self.module.named_parameters()}
+            listed = ", ".join(f"{names.get(p, '?')} ({err:.2g})" for p, err in list(differing.items())[:6])
+            raise RuntimeError(
+                "Each example's gradient must depend on that example alone, but replacing the other examples of the "
+                f"batch changed the gradients of the examples kept (relative difference): {listed}. The loss or the "
+                "model couples the examples of a batch (a token mean over the whole batch, e.g. Hugging Face's loss "
+                "with labels=; batch-normalised or contrastive terms; in-batch negatives; a layer fed sequence-first "
+                "input; a lookup shared by the batch and reduced over it), so per-example clipping would not bound "
+                "one example's influence. Reduce the loss per example first, then over the batch (docs/dp_sgd_core.md, "
+                "'The per-example loss contract'). If the batch holds a tensor whose first dimension equals the "
+                "batch size but is not one row per example (a table shared by the batch), pass it another way. "
+                "Nothing was updated."
             )
 
     # ------------------------------------------------------------------ the release

@@ -135,7 +135,7 @@ class _SyncedLog(TinyModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        self.batches.append((x.detach().cpu(), y.detach().cpu()))
+        self.record(x, y)
         loss = F.cross_entropy(self(x), y, reduction="sum") / max(len(y), 1)
         self.log("nonprivate/loss", loss, sync_dist=True, batch_size=len(y))
         return loss

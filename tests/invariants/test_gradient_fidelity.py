@@ -33,7 +33,7 @@ class Net(TinyModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        self.batches.append((x.detach().cpu(), y.detach().cpu()))
+        self.record(x, y)
         return self.loss_of(self.net, x, y)
 
 

@@ -87,7 +87,7 @@ class _Augmented(TinyModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        self.batches.append((x.detach().cpu(), y.detach().cpu()))
+        self.record(x, y)
         per_row = F.cross_entropy(self(self.views(x)), y.repeat_interleave(K), reduction="none")
         return per_row.view(-1, K).mean(1).sum() / max(len(y), 1)  # each unit's loss: the mean over its views
 

@@ -34,7 +34,7 @@ class _Repeats(ManualModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         opt = self.optimizers()
         x, y = batch
-        self.batches.append((x.detach().cpu(), y.detach().cpu()))
+        self.record(x, y)
         for _ in range(self.passes):
             self.manual_backward(self.loss(self(x), y))
         opt.step()
@@ -153,8 +153,8 @@ def test_resuming_target_epsilon_for_longer_warns_of_the_overshoot(tmp_path) -> 
 def test_empty_batches_reach_training_step() -> None:
     class Sizes(TinyModule):
         def training_step(self, batch, batch_idx):
-            self.batches.append(batch)
             x, y = batch
+            self.record(x, y)
             return F.cross_entropy(self(x), y, reduction="sum") / max(len(y), 1)
 
     module = Sizes()

@@ -1,0 +1,142 @@
+"""The coupling probe: each example's gradient must not depend on the rest of its batch.
+
+Per-example clipping bounds one example's influence only if its gradient is a function of
+that example alone. A loss that couples the examples breaks this silently: a token mean
+over the whole batch, batch-normalised or contrastive terms, in-batch negatives, a layer
+fed sequence-first input, a lookup shared across the batch and reduced over it. The
+gradient verification cannot see any of these (the per-example gradients still sum to
+autograd's).
+
+On the first steps of a fit (every step under ``verify_gradients="always"``), after the
+real backward pass, the strategy runs ``training_step`` once more on a probe batch: the
+first half of the batch unchanged and in place, the second half replaced by copies of the
+first. Random draws are replayed (the generators are rewound to where the real step
+started, and the batch keeps its shape, so dropout masks and noise are the same), logging
+is off and torchmetrics states are restored. If any kept example's per-example gradient
+differs between the two passes, its gradient depended on examples that were swapped out,
+and training is refused before the update.
+
+What the probe cannot see: coupling through data that is not a tensor whose first
+dimension is the batch (the replacement only swaps such tensors), and manual
+optimization (its ``training_step`` steps the optimizer, so it cannot be run twice).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from dplightning.privacy.grad_sample import PerExampleGrad
+
+PROBE_RTOL = 1e-3
+"""Relative difference of a kept example's gradient (to the largest) above which the examples are coupled."""
+
+
+@dataclass
+class CouplingProbe:
+    """One probe of a training batch.
+
+    Attributes:
+        run: Runs ``training_step`` on the probe batch and returns its loss (``None``: no loss).
+        kept: ``[n]`` bool, the units left unchanged in the probe batch.
+        rng: The generators' state when the real step started, replayed by the probe.
+    """
+
+    run: Callable[[], Tensor | None]
+    kept: Tensor
+    rng: tuple[Tensor, list[Tensor]]
+
+
+def probe_batch(batch: Any, units: int) -> tuple[Any, Tensor]:
+    """``batch`` with units ``m..n-1`` replaced by copies of units ``0..m-1`` (m = ⌈n/2⌉), and the kept mask.
+
+    Every tensor whose first dimension is ``units`` is indexed; everything else is left as is.
+    """
+    kept_units = (units + 1) // 2
+    positions = torch.arange(units)
+    source = positions % max(kept_units, 1)
+
+    def swap(t: Tensor) -> Tensor:
+        return t.index_select(0, source.to(t.device)) if t.dim() > 0 and t.shape[0] == units else t
+
+    return apply_to_collection(batch, Tensor, swap), positions < kept_units
+
+
+def rng_state() -> tuple[Tensor, list[Tensor]]:
+    """The CPU generator's state and, if CUDA is in use, every device's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: tuple[Tensor, list[Tensor]]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+@contextmanager
+def quietly(module: nn.Module) -> Iterator[None]:
+    """Run part of a step without logging and without changing torchmetrics' accumulated states."""
+    from torchmetrics import Metric
+
+    saved = {
+        m: (copy.deepcopy(m.metric_state), m._update_count, m._computed, m._forward_cache)
+        for m in module.modules()
+        if isinstance(m, Metric)
+    }
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+        for m, (state, count, computed, cache) in saved.items():
+            for name, value in state.items():
+                setattr(m, name, value)
+            m._update_count, m._computed, m._forward_cache = count, computed, cache
+
+
+def step_loss(output: Any) -> Tensor | None:
+    """The loss in a ``training_step`` output (a tensor, or a mapping's ``"loss"``), if any."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
+def coupled_parameters(
+    real: Mapping[nn.Parameter, PerExampleGrad], probe: Mapping[nn.Parameter, PerExampleGrad], kept: Tensor
+) -> dict[nn.Parameter, float]:
+    """Parameters whose kept units' gradients differ between the real and the probe pass, with the difference.
+
+    Compared: each kept unit's gradient norm, and a random combination of the kept units'
+    gradients (it sees a change of direction that keeps the norm); relative to the largest.
+    """
+    weights = torch.randn(kept.shape[0], generator=torch.Generator().manual_seed(0)) * kept
+    differing: dict[nn.Parameter, float] = {}
+    for p in real.keys() | probe.keys():
+        if p not in real or p not in probe:
+            differing[p] = 1.0
+            continue
+        a, b = real[p], probe[p]
+        norms_a, norms_b = a.sq_norms().sqrt(), b.sq_norms().sqrt()
+        finite = kept.to(norms_a.device) & norms_a.isfinite() & norms_b.isfinite()
+        w = (weights.to(norms_a.device) * finite).to(torch.float32)
+        sum_a, sum_b = a.weighted_sum(w).float(), b.weighted_sum(w).float()
+        scale = max(float(norms_a[finite].max()) if finite.any() else 0.0, float(sum_a.norm()), 1e-12)
+        difference = max(
+            float((norms_a[finite] - norms_b[finite]).abs().max()) if finite.any() else 0.0,
+            float((sum_a - sum_b).norm()),
+        )
+        if difference > PROBE_RTOL * scale:
+            differing[p] = difference / scale
+    return differing

@@ -1,0 +1,149 @@
+"""The coupling probe: a loss or model that makes one example's gradient depend on others is refused.
+
+Each refused case trained silently before the probe existed (per-example gradients still sum to
+autograd's gradient, so the gradient verification passed). Each accepted case draws random
+numbers or logs inside ``training_step``, which the probe must replay or silence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
+
+from tests.helpers import TinyModule, dp, make_trainer, params_of
+
+N = 12
+
+
+class LossOf(TinyModule):
+    """TinyModule with a loss written by the test."""
+
+    def __init__(self, net: nn.Module, loss) -> None:
+        super().__init__(net=net, lr=0.5)
+        self.loss_of = loss
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        x, y = batch
+        self.record(x, y)
+        return self.loss_of(self.net, x, y)
+
+
+def _data(x: Tensor) -> DataLoader:
+    return DataLoader(TensorDataset(x, torch.arange(len(x)) % 3), batch_size=len(x))  # q = 1
+
+
+def _x(*shape: int) -> Tensor:
+    return torch.randn(N, *shape, generator=torch.Generator().manual_seed(0))
+
+
+def _mlp(dropout: float = 0.0) -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Dropout(dropout), nn.Linear(5, 3))
+
+
+def _fit(module: TinyModule, data: DataLoader, steps: int = 2, **strategy: object) -> None:
+    make_trainer(dp(noise_multiplier=0.0, max_grad_norm=1.0, **strategy), max_steps=steps).fit(module, data)
+
+
+def _assert_refused(module: TinyModule, data: DataLoader) -> None:
+    before = params_of(module)
+    with pytest.raises(RuntimeError, match="replacing the other examples of the batch changed the gradients"):
+        _fit(module, data)
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+    assert len(module.batches) == 1  # the real batch; the probe's replay is not recorded
+
+
+def _token_mean_over_the_batch(net, ids, labels):
+    logits = net(input_ids=ids).logits[:, :-1]
+    targets = labels[:, 1:]
+    per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
+    counted = (targets != -100).float()
+    return (per_token * counted).sum() / counted.sum()  # Hugging Face's labels= loss, written out
+
+
+def test_a_token_mean_over_the_batch_is_refused() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=17, n_positions=8, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    ids = torch.randint(0, 17, (N, 7), generator=torch.Generator().manual_seed(1))
+    lengths = torch.randint(2, 8, (N,), generator=torch.Generator().manual_seed(2))
+    labels = ids.masked_fill(torch.arange(7) >= lengths[:, None], -100)  # sequences of different lengths
+    data = DataLoader(TensorDataset(ids, labels), batch_size=N)
+    _assert_refused(LossOf(GPT2LMHeadModel(config), _token_mean_over_the_batch), data)
+
+
+def test_a_contrastive_loss_over_the_batch_is_refused() -> None:
+    def info_nce(net, x, y):
+        z = F.normalize(net(x), dim=1)
+        return F.cross_entropy(z @ z.T / 0.5, torch.arange(len(x)))  # in-batch negatives
+
+    _assert_refused(LossOf(_mlp(), info_nce), _data(_x(6)))
+
+
+def test_batch_centred_outputs_are_refused() -> None:
+    def centred(net, x, y):
+        out = net(x)
+        return F.cross_entropy(out - out.mean(0), y)
+
+    _assert_refused(LossOf(_mlp(), centred), _data(_x(6)))
+
+
+def test_sequence_first_input_as_long_as_the_batch_is_refused() -> None:
+    # [T, n, d] with T == n: every layer sees as many rows as the batch has examples, so the
+    # row check passes; the probe sees that "example" i is time step i of every sequence.
+    class OverTime(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.step, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.step(x.transpose(0, 1)).tanh().mean(0))
+
+    _assert_refused(LossOf(OverTime(), lambda net, x, y: F.cross_entropy(net(x), y)), _data(_x(N, 4)))
+
+
+def test_dropout_and_noise_drawn_in_the_step_are_replayed() -> None:
+    def noisy(net, x, y):
+        return F.cross_entropy(net(x + torch.randn_like(x)), y)  # DPDM-like draws, and dropout in the net
+
+    module = LossOf(_mlp(dropout=0.5), noisy)
+    _fit(module, _data(_x(6)), steps=3)
+    assert len(module.batches) == 3
+
+
+class Logged(LossOf):
+    def __init__(self) -> None:
+        super().__init__(_mlp(), lambda net, x, y: F.cross_entropy(net(x), y))
+        self.seen = MeanMetric()
+        self.logged = 0
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        x, y = batch
+        self.seen.update(x.sum(1))
+        self.log("rows", float(len(x)))
+        if not self.trainer.strategy.probing:
+            self.logged += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_probe_does_not_log_or_update_metrics() -> None:
+    module = Logged()
+    _fit(module, _data(_x(6)), steps=3)
+    assert module.logged == 3 and module.seen.update_count == 3
+    torch.testing.assert_close(module.seen.compute(), _x(6).sum(1).mean())
+
+
+def test_verify_gradients_never_turns_the_probe_off() -> None:
+    def centred(net, x, y):
+        out = net(x)
+        return F.cross_entropy(out - out.mean(0), y)
+
+    module = LossOf(_mlp(), centred)
+    _fit(module, _data(_x(6)), verify_gradients="never")  # trains on a coupled loss: the user's choice
+    assert len(module.batches) == 2
