@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from dplightning._state import known
 from dplightning.callbacks._budget_sources import BudgetSource, find_source
 from dplightning.privacy.accounting import Segment, steps_within_budget
 
@@ -90,7 +91,7 @@ class PrivacyBudget(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        assert self._source is not None
+        known(self._source, "the DP strategy (set in setup)")
         if self._binding and self._source.ledger.steps >= self._allowed:
             # Only reached if the Trainer ignored should_stop (min_steps/min_epochs): refuse to go over budget.
             raise RuntimeError(
@@ -102,7 +103,8 @@ class PrivacyBudget(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        assert self._source is not None and self._delta is not None
+        known(self._source, "the DP strategy (set in setup)")
+        known(self._delta, "δ")
         if self._source.ledger.steps:
             self._log(pl_module, self._source.ledger.epsilon_bound(self._delta), self._delta)
         self._stop_if_exhausted(trainer)
@@ -124,7 +126,7 @@ class PrivacyBudget(Callback):
         pl_module.log(progress_bar_key(delta), epsilon, prog_bar=True, logger=False, **options)
 
     def _stop_if_exhausted(self, trainer: pl.Trainer) -> None:
-        assert self._source is not None
+        known(self._source, "the DP strategy (set in setup)")
         steps = self._source.ledger.steps
         if 0 <= trainer.max_steps <= trainer.global_step:
             return  # max_steps ends training anyway; no need to look further ahead
@@ -135,7 +137,8 @@ class PrivacyBudget(Callback):
 
     def _update_allowed(self, trainer: pl.Trainer, steps: int) -> None:
         """Recompute the last allowed step when (prefix, σ, q) change or a non-binding cap is reached."""
-        assert self._source is not None and self._delta is not None
+        known(self._source, "the DP strategy (set in setup)")
+        known(self._delta, "δ")
         sigma, q = self._source.next_step()
         prefix, tail = _split_tail(self._source.ledger.history, sigma, q)
         key = (prefix, sigma, q)

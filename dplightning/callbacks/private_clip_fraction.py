@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from dplightning._state import known
 from dplightning.privacy.noise import GaussianNoise, derive_seed
 from dplightning.protocols import StepReleaseSource, require
 
@@ -64,7 +65,7 @@ class PrivateClipFraction(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self._source is not None
+        known(self._source, "the DP strategy (set in setup)")
         seed = None if self.seed is None else derive_seed(self.seed, RELEASE_NAME)
         # Never the global RNG (seed_everything makes it public and equal on every rank), never the gradient's stream.
         self._noise = GaussianNoise(seed, rank=0, secure_mode=self._source.secure_mode)
@@ -74,7 +75,8 @@ class PrivateClipFraction(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        assert self._source is not None and self._noise is not None
+        known(self._source, "the DP strategy (set in setup)")
+        known(self._noise, "the noise source of the count")
         local = self._clipped_count().to(trainer.strategy.root_device)
         if trainer.is_global_zero:  # noise exactly once across ranks, before the sum
             self._noise.start_step(trainer.global_step)
@@ -86,7 +88,7 @@ class PrivateClipFraction(Callback):
 
     def _clipped_count(self) -> Tensor:
         """This rank's number of clipped examples in the step (raw: never logged or kept)."""
-        assert self._source is not None
+        known(self._source, "the DP strategy (set in setup)")
         bounds = torch.tensor([g.max_norm for g in self._source.clip_groups])
         count = sum(int((~(s.norms.cpu() <= bounds)).any(dim=1).sum()) for s in self._source.last_step_stats)
         return torch.tensor(float(count), dtype=torch.float64)

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from dplightning._state import known
 from dplightning.data.provenance import PrivacyUnit
 from dplightning.data.tokenizer import load_tokenizer, train_bpe
 
@@ -225,7 +226,7 @@ class TextDataModule(pl.LightningDataModule):
         """Token ids of one example: ``input_ids`` and ``labels`` (an int, or ids with -100 on the prompt)."""
         tok = self.tokenizer
         if self.task == "classification":
-            assert example.label is not None
+            known(example.label, "the example's label")
             return {"input_ids": tok(example.text)["input_ids"], "labels": int(example.label)}
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
         prompt = tok(example.prompt, add_special_tokens=False)["input_ids"] if example.prompt else []

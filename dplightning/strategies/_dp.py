@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from dplightning._state import known
 from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible
 from dplightning.data.provenance import data_provenance
 from dplightning.privacy.accounting import PrivacyLedger
@@ -240,8 +241,10 @@ class _DPHooks(Strategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_trainer(trainer)
-        super().setup(trainer)
+        # Known before super().setup(): configure_optimizers may build the train loader there
+        # (trainer.estimated_stepping_batches), and it must be Poisson-wrapped like any other.
         self._trainer = trainer
+        super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_fit(trainer)
 
@@ -249,7 +252,7 @@ class _DPHooks(Strategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = self._trainer
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not _building_train_loader(trainer):
             return dataloader
         return self._private_loader(trainer, dataloader)
 
@@ -348,20 +351,22 @@ class _DPHooks(Strategy):
 
     def _setup_fit(self, trainer: pl.Trainer) -> None:
         """Hook the module, lay out the buckets and restore the ledger."""
-        module = self.lightning_module
-        assert module is not None
+        module = known(self.lightning_module, "the LightningModule")
         if len(self.optimizers) != 1:
             raise ValueError(
-                f"DP training supports exactly one optimizer, got {len(self.optimizers)}. Put all parameter "
-                "groups into one optimizer (one noisy step must release all of them at once)."
+                f"DP training supports exactly one optimizer, got {len(self.optimizers)}. For one model, put all "
+                "parameter groups into one optimizer (one noisy step must release all of them at once). GANs and "
+                "other multi-optimizer setups are not supported: a DP-GAN would privatize the discriminator's step "
+                "alone and has to prove that the generator's step never sees a private batch, which dplightning "
+                "does not check. For a private generative model, see DPDiffusion (docs/dpdm.md)."
             )
         if isinstance(self.optimizers[0], LBFGS):
             raise ValueError("LBFGS re-evaluates its closure; each evaluation would need fresh noise. Use SGD/Adam.")
         noise = GaussianNoise(self.dp_config.seed, rank=self.global_rank, secure_mode=self.dp_config.secure_mode)
         self.private_step = PrivateStep(self.dp_config, module, self.optimizers[0], noise)
         rank_zero_info(f"Per-example gradients, engine per layer:\n{self.private_step.summary()}")
-        assert self.private_step.hooks is not None
-        self._engines = {name: engine for name, _, _, engine in self.private_step.hooks.summary()}
+        hooks = known(self.private_step.hooks, "the per-example hooks")
+        self._engines = {name: engine for name, _, _, engine in hooks.summary()}
         self._rows_per_unit = _rows_per_unit(module)
         capturing = lambda: self.private_step is not None and self.private_step.hooks.capturing  # noqa: E731
         self._extra_handles = refuse_batch_mean_loss(module, capturing)
@@ -415,11 +420,15 @@ class _DPHooks(Strategy):
             check_poisson_compatible(dataloader)  # before len(): an IterableDataset has none
         n, batch_size = _dataset_size(dataloader), dataloader.batch_size or 0
         self._check_same_on_every_rank(dataloader, num_samples=n, batch_size=batch_size)
-        q = batch_size * self.world_size / n
-        if not self.dp_config.poisson_sampling:
-            self.accounting.set_sampling(n, q)
-            return dataloader
+        k, poisson = trainer.accumulate_grad_batches, self.dp_config.poisson_sampling
+        # Under Poisson sampling k splits one sampled batch (q does not depend on k); without it the
+        # loader is Lightning's own and a step sums k whole batches, so the mean is over k of them.
+        logical = batch_size * self.world_size * (1 if poisson else k)
+        q = logical / n
         self.accounting.set_sampling(n, q)
+        rank_zero_info(_logical_batch(logical, batch_size, self.world_size, k, q, poisson))
+        if not poisson:
+            return dataloader
         loader = PoissonDataLoader.from_dataloader(
             dataloader,
             sample_rate=q,
@@ -453,8 +462,7 @@ class _DPHooks(Strategy):
     def _private_training_step(
         self, step: PrivateStep, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        module = self.lightning_module
-        assert module is not None
+        module = known(self.lightning_module, "the LightningModule")
         if self._batches_since_release == 0:
             step.restore_weight_grads()
             step.replan_if_changed(self.steps)
@@ -468,9 +476,8 @@ class _DPHooks(Strategy):
         # Empty Poisson batches run training_step too: under dp_ddp every rank must reach the same
         # collectives (self.log(sync_dist=True), all_gather, metric syncs) whatever its local batch.
         automatic = module.automatic_optimization
-        assert self._trainer is not None
         # Lightning divides the loss by k under automatic optimization; a manual step's loss is as written.
-        divisor = self._trainer.accumulate_grad_batches if automatic else 1
+        divisor = known(self._trainer, "the Trainer").accumulate_grad_batches if automatic else 1
         probe = self._coupling_probe(units, args, kwargs)
         try:
             with step.batch(units, _rows_per_unit(module), automatic, divisor, probe):
@@ -491,8 +498,7 @@ class _DPHooks(Strategy):
         Every rank probes on the same steps (a ``training_step`` with collectives must stay in
         lock-step), even with fewer than two examples, where there is nothing to compare.
         """
-        module, verify = self.lightning_module, self.dp_config.verify_gradients
-        assert module is not None
+        module, verify = known(self.lightning_module, "the LightningModule"), self.dp_config.verify_gradients
         if not module.automatic_optimization or verify == "never":
             return None
         if verify == "first_steps" and self._released_this_fit >= VERIFIED_STEPS:
@@ -544,8 +550,7 @@ class _DPHooks(Strategy):
     def _check_one_batch_per_release(self) -> None:
         # The accountant charges one Poisson(q) batch per noisy step. Lightning enforces that for
         # automatic optimization (k micro-batches = one Poisson batch); a manual loop must step once per batch.
-        module = self.lightning_module
-        assert module is not None
+        module = known(self.lightning_module, "the LightningModule")
         batches, self._batches_since_release = self._batches_since_release, 0
         if not module.automatic_optimization and batches != 1:
             raise RuntimeError(
@@ -556,11 +561,11 @@ class _DPHooks(Strategy):
             )
 
     def _release(self) -> None:
-        step = self.private_step
-        assert step is not None and self.expected_batch_size is not None
+        step = known(self.private_step, "the private step")
+        expected_batch_size = known(self.expected_batch_size, "the expected batch size q·N")
         self._check_one_batch_per_release()
         total = self.noise_std
-        step.release(self._local_noise_std(total), total, self.expected_batch_size, self._bucket_reducer(), self.steps)
+        step.release(self._local_noise_std(total), total, expected_batch_size, self._bucket_reducer(), self.steps)
         self.accounting.step()
         self._released_this_fit += 1
         journal = self._journal()
@@ -578,6 +583,31 @@ class _DPHooks(Strategy):
                 f"'{NONFINITE_METRIC}' (raw, not private).",
                 stacklevel=2,
             )
+
+
+def _logical_batch(logical: int, batch_size: int, world_size: int, k: int, q: float, poisson: bool) -> str:
+    """One line saying what one noisy step averages over."""
+    if poisson:
+        return (
+            f"Logical batch: one Poisson sample of expected size {logical} (batch_size {batch_size} x {world_size} "
+            f"process(es), q = {q:.4g}), split into {k} micro-batch(es) of about {logical / (k * world_size):.4g} "
+            "per process: under DP, accumulate_grad_batches splits the sampled batch, it does not multiply it."
+        )
+    return (
+        f"Logical batch: {k} x {batch_size} x {world_size} = {logical} examples per step (accumulate_grad_batches x "
+        "batch_size x processes), averaged; without Poisson sampling ε is infinite."
+    )
+
+
+def _building_train_loader(trainer: pl.Trainer) -> bool:
+    """Whether the loader being processed is the train loader.
+
+    In the training stage, or before any stage when ``configure_optimizers`` asks for
+    ``trainer.estimated_stepping_batches`` during setup (only the train loader is built then;
+    evaluation loops set their stage before they build theirs).
+    """
+    stage = trainer.state.stage
+    return stage == RunningStage.TRAINING or (stage is None and trainer.fit_loop._combined_loader is None)
 
 
 def _dataset_size(dataloader: DataLoader) -> int:

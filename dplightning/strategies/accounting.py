@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from dplightning._state import known
 from dplightning.privacy.accounting import (
     PrivacyLedger,
     calibrate_noise_multiplier,
@@ -170,7 +171,9 @@ class PrivacyAccounting:
             self._warn_if_resumed_run_overspends(total_steps)
 
     def _calibrate(self, total: int) -> None:
-        assert self.config.target_epsilon is not None and self.sample_rate is not None and self.delta is not None
+        known(self.config.target_epsilon, "target_epsilon")
+        known(self.sample_rate, "the sample rate q")
+        known(self.delta, "δ")
         rank_zero_info(
             f"Calibrating σ for ε = {self.config.target_epsilon} over {total} steps ({self.config.accountant})..."
         )
@@ -220,7 +223,8 @@ class PrivacyAccounting:
     def step(self) -> None:
         """Count one noisy release (one subsampled Gaussian step at σ_eff and q)."""
         if self.config.poisson_sampling:
-            assert self.accounted_noise_multiplier is not None and self.sample_rate is not None
+            known(self.accounted_noise_multiplier, "the accounted σ")
+            known(self.sample_rate, "the sample rate q")
             self.ledger.step(self.accounted_noise_multiplier, self.sample_rate)
 
     def report(self, engine: str, clipping: str | None = None) -> str:

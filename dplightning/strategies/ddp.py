@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
+from dplightning._state import known
 from dplightning.privacy.mechanism import BucketReducer
 from dplightning.strategies._dp import _DPHooks
 from dplightning.strategies.config import DPConfig, dp_arguments
@@ -80,8 +81,7 @@ class DPDDPStrategy(_DPHooks, DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         # No DistributedDataParallel: start every rank from rank 0's parameters and buffers.
-        assert self.model is not None
-        _sync_module_states(self.model)
+        _sync_module_states(known(self.model, "the model"))
 
     @override
     def _check_same_on_every_rank(self, dataloader: DataLoader, **values: int) -> None:

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from dplightning._state import known
 from dplightning.privacy.buffers import BufferWatch, public_buffers
 from dplightning.privacy.clipping import ClipGroup, make_clip_groups
 from dplightning.privacy.grad_sample import PerExampleGrad, PerExampleHooks, SlotTransform
@@ -133,7 +134,7 @@ class PrivateStep:
 
     def summary(self) -> str:
         """The engine of every hooked layer, as a table."""
-        assert self.hooks is not None
+        known(self.hooks, "the per-example hooks")
         rows = [("layer", "type", "params", "engine")] + [
             (name, kind, f"{count:,}", engine) for name, kind, count, engine in self.hooks.summary()
         ]
@@ -173,7 +174,7 @@ class PrivateStep:
         engines need only the layers' inputs and output gradients): from here to the end of its
         backward pass under automatic optimization, to the end of ``training_step`` under manual.
         """
-        assert self.hooks is not None
+        known(self.hooks, "the per-example hooks")
         self._batch_units, self._rows_per_unit = units, rows_per_unit
         self._automatic, self._loss_divisor, self._probe = automatic, loss_divisor, probe
         # From the captured gradients of the backpropagated loss to each unit's own gradient.
@@ -212,7 +213,7 @@ class PrivateStep:
         Under automatic optimization the pass covers a whole micro-batch and is clipped now; under
         manual optimization it is summed with the batch's other passes until the release.
         """
-        assert self.hooks is not None
+        known(self.hooks, "the per-example hooks")
         self.buffers.check("training_step and its backward pass")
         automatic, scale = self._automatic, self._scale
         if automatic:
@@ -235,7 +236,7 @@ class PrivateStep:
     def _on_layer_done(self, layer: nn.Module) -> None:
         if not self._early or layer not in self._local_groups:
             return
-        assert self.hooks is not None
+        known(self.hooks, "the per-example hooks")
         for j in self._local_groups[layer]:
             grads = self.hooks.take(self.privatizer.groups[j].params, self._rows_per_unit)
             self._early_stats.append(self.privatizer.accumulate(grads, scale=self._scale, groups=[j]))
@@ -274,14 +275,14 @@ class PrivateStep:
 
     def _check_coupling(self, grads: dict[nn.Parameter, PerExampleGrad]) -> None:
         """Replay the step on the probe batch; refuse if a kept unit's gradient changed (strategies/coupling.py)."""
-        assert self.hooks is not None and self._probe is not None and self._batch_units is not None
-        probe, self._probe = self._probe, None
+        probe, self._probe = known(self._probe, "the coupling probe"), None
+        units = known(self._batch_units, "the batch's unit count")
         self._early = False  # the probe's gradients must not reach the buckets
         after = rng_state()
         set_rng_state(probe.rng)
         self.probing = True
         try:
-            with self.hooks.capture(self._batch_units * self._rows_per_unit):
+            with self.hooks.capture(units * self._rows_per_unit):
                 loss = probe.run()
             if loss is not None and loss.requires_grad:
                 (loss / self._loss_divisor).backward()
@@ -289,7 +290,7 @@ class PrivateStep:
             self.probing = False
             replayed = self.hooks.pop(self._rows_per_unit)
             set_rng_state(after)
-        if self._batch_units < 2 or loss is None:
+        if units < 2 or loss is None:
             return
         differing = coupled_parameters(grads, replayed, probe.kept)
         if differing:
@@ -300,7 +301,9 @@ class PrivateStep:
                 f"batch changed the gradients of the examples kept (relative difference): {listed}. The loss or the "
                 "model couples the examples of a batch (a token mean over the whole batch, e.g. Hugging Face's loss "
                 "with labels=; batch-normalised or contrastive terms; in-batch negatives; a layer fed sequence-first "
-                "input; a lookup shared by the batch and reduced over it), so per-example clipping would not bound "
+                "input; a lookup shared by the batch and reduced over it; state the model carries from one forward to "
+                "the next, e.g. an RNN hidden state kept in self.hidden: stateful models are not supported), so "
+                "per-example clipping would not bound "
                 "one example's influence. Reduce the loss per example first, then over the batch (docs/dp_sgd_core.md, "
                 "'The per-example loss contract'). If the batch holds a tensor whose first dimension equals the "
                 "batch size but is not one row per example (a table shared by the batch), pass it another way. "

@@ -35,6 +35,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dplightning._state import known
+
 
 @dataclass
 class LayerCall:
@@ -126,7 +128,7 @@ def _embedding(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) ->
 def _hf_conv1d(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # Conv1D computes y = x @ W + b with W stored [in, out] (transposed with respect to nn.Linear).
     a, b = call.args[0], grads[0]
-    assert b is not None
+    known(b, "the layer's output gradient")
     a3 = a.reshape(a.shape[0], -1, a.shape[-1])
     b3 = b.reshape(b.shape[0], -1, b.shape[-1]).to(a3.dtype)
     out: dict[nn.Parameter, Tensor] = {}
@@ -149,7 +151,7 @@ def _hf_vit_embeddings(layer: nn.Module, call: LayerCall, grads: list[Tensor | N
             "embedding dropout: set hidden_dropout_prob=0 (the embeddings' dropout) or freeze them."
         )
     grad = grads[0]
-    assert grad is not None
+    known(grad, "the layer's output gradient")
     out: dict[nn.Parameter, Tensor] = {}
     if layer.cls_token.requires_grad:
         out[layer.cls_token] = grad[:, :1].unsqueeze(1)
@@ -183,7 +185,7 @@ def _hf_opt_positions(layer: nn.Module, call: LayerCall, grads: list[Tensor | No
 def _hf_rms_norm(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # y = w * (x / rms(x)), normalised in fp32 and cast back, as LlamaRMSNorm (and its copies) compute it.
     x, grad = call.args[0], grads[0]
-    assert grad is not None
+    known(grad, "the layer's output gradient")
     h = x.float()
     normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon)).to(x.dtype)
     per_token = (grad * normed).float()
@@ -211,7 +213,7 @@ def conv_columns(layer: nn.Module, x: Tensor) -> Tensor:
 def _conv(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # g_i = Δ_i colsᵀ per group: output channels of group j see input channels of group j only.
     grad = grads[0]
-    assert grad is not None
+    known(grad, "the layer's output gradient")
     n, groups = grad.shape[0], layer.groups
     params = [p for p in (layer.weight, layer.bias) if p is not None and p.requires_grad]
     if n == 0:
@@ -229,7 +231,7 @@ def _conv(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict
 
 def _layer_norm(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     grad = grads[0]
-    assert grad is not None
+    known(grad, "the layer's output gradient")
     out: dict[nn.Parameter, Tensor] = {}
     if layer.weight is not None and layer.weight.requires_grad:
         normed = F.layer_norm(call.args[0].to(grad.dtype), layer.normalized_shape, eps=layer.eps)
@@ -244,7 +246,7 @@ def _embedding_bag(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]
     # gradient of the copies is every bag's own, in every mode (max picks the same rows in each
     # copy). Padding ids keep pointing at one shared row, whose gradient autograd leaves at zero.
     grad = grads[0]
-    assert grad is not None
+    known(grad, "the layer's output gradient")
     if not layer.weight.requires_grad:
         return {}
     ids, offsets = _call_arg(call, 0, ("input",)), _call_arg(call, 1, ("offsets",))
@@ -271,7 +273,7 @@ def _embedding_bag(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]
 def _bilinear(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # y_o = x1ᵀ W_o x2 + b_o: g_i = Σ_t Δ_t ⊗ x1_t ⊗ x2_t over the positions t of example i.
     grad = grads[0]
-    assert grad is not None
+    known(grad, "the layer's output gradient")
     n = grad.shape[0]
     x1, x2 = _call_arg(call, 0, ("input1",)), _call_arg(call, 1, ("input2",))
     d = grad.reshape(n, -1, grad.shape[-1])
@@ -287,7 +289,7 @@ def _bilinear(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> 
 def _prelu(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # y = max(0, x) + a·min(0, x) per channel (dim 1), or with one a for every element.
     grad, x = grads[0], call.args[0]
-    assert grad is not None
+    known(grad, "the layer's output gradient")
     if not layer.weight.requires_grad:
         return {}
     n = grad.shape[0]
