@@ -212,3 +212,28 @@ def batch_rows(batch: Any) -> int | None:
         if rows is not None:
             return rows
     return None
+
+
+def loader_batch_size(dataloader: DataLoader) -> int:
+    """The train loader's batch size: ``batch_size``, else its batch sampler's ``batch_size``.
+
+    A loader built with ``batch_sampler=`` has ``batch_size=None``; the batch size that sets
+    q = batch_size / N (recorded in the ledger even when ε is infinite) and the expected batch
+    q·N that the noisy sum is divided by is then the batch sampler's.
+
+    Raises:
+        ValueError: If neither gives a positive int: q would be guessed.
+    """
+    if dataloader.batch_size is not None:
+        return dataloader.batch_size
+    sampler = dataloader.batch_sampler
+    size = getattr(sampler, "batch_size", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"Cannot tell the train loader's batch size: batch_size is None and its batch_sampler "
+            f"({type(sampler).__name__}) has no int batch_size attribute (got {size!r}). DP training divides the "
+            "noisy gradient sum by the expected batch size and records q = batch_size / N, so it needs one. Give "
+            "the batch sampler a `batch_size` attribute (its expected batch size), or pass batch_size= to the "
+            "DataLoader instead of batch_sampler=."
+        )
+    return size

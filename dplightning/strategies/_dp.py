@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplightning._state import known
-from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible
+from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible, loader_batch_size
 from dplightning.data.provenance import data_provenance
 from dplightning.privacy.accounting import PrivacyLedger
 from dplightning.privacy.clipping import ClipGroup
@@ -418,7 +418,7 @@ class _DPHooks(Strategy):
             raise TypeError(f"DP training needs a torch DataLoader as train loader, got {type(dataloader).__name__}.")
         if self.dp_config.poisson_sampling:
             check_poisson_compatible(dataloader)  # before len(): an IterableDataset has none
-        n, batch_size = _dataset_size(dataloader), dataloader.batch_size or 0
+        n, batch_size = _dataset_size(dataloader), loader_batch_size(dataloader)
         self._check_same_on_every_rank(dataloader, num_samples=n, batch_size=batch_size)
         k, poisson = trainer.accumulate_grad_batches, self.dp_config.poisson_sampling
         # Under Poisson sampling k splits one sampled batch (q does not depend on k); without it the

@@ -244,7 +244,10 @@ class PerExampleHooks:
         raise RuntimeError(
             f"Layer '{self._names.get(layer, type(layer).__name__)}' ({type(layer).__name__}) was called with an "
             f"input of {seen} rows (shape {list(first.shape)}) while the training batch has {rows} "
-            "examples, so its per-example gradients cannot be told apart. Either the layer is fed sequence-first "
+            "examples, so its per-example gradients cannot be told apart. Either the model carries state from an "
+            "earlier batch into this one (e.g. an RNN hidden state kept in self.hidden between batches: stateful "
+            "models are not supported, since the state holds other examples' data; start every batch from a fresh "
+            "state), or the layer is fed sequence-first "
             "input (batch_first=False: the privacy unit must be the batch's first dimension), or the model "
             "broadcasts a batch dimension of 1 over the batch after this layer (a tensor of shape [1, ...] shared "
             "by all examples): pass that input with the batch dimension expanded to the batch size (for an "

@@ -138,19 +138,41 @@ def check_model(module: nn.Module, params: Collection[nn.Parameter], functorch_f
         )
     if functorch_fallback:
         return
-    missing = [
-        f"{name or '<root>'} ({type(m).__name__})"
-        for name, m in module.named_modules()
-        if unit_parameters(m, params) and not handled_per_layer(m)
+    unhandled = [
+        (name, m) for name, m in module.named_modules() if unit_parameters(m, params) and not handled_per_layer(m)
     ]
-    if missing:
+    if unhandled:
+        missing = [f"{name or '<root>'} ({type(m).__name__})" for name, m in unhandled]
         raise ValueError(
             f"No per-example gradient sampler for these modules with trainable parameters: {missing}. "
             "Replace them (nn.LSTM/GRU/RNN -> opacus.layers.DPLSTM/DPGRU/DPRNN, nn.MultiheadAttention -> "
             "opacus.layers.DPMultiheadAttention), register a sampler with "
             "opacus.grad_sample.register_grad_sampler, freeze them, or pass grad_sample_mode='functorch' "
-            "to differentiate them per example with torch.func."
+            "to differentiate them per example with torch.func." + _attention_conditions([m for _, m in unhandled])
         )
+
+
+def _attention_conditions(unhandled: list[nn.Module]) -> str:
+    """What each of the two ways out of an unhandled ``nn.MultiheadAttention`` requires (empty if there is none).
+
+    Both are named up front so that the advice does not lead into the next error: Opacus'
+    ``DPMultiheadAttention`` (1.6) asserts ``is_causal=False`` and, with ``batch_first=True``,
+    checks an ``attn_mask``'s size against the batch dimension; the torch.func replay refuses
+    layers that draw random numbers (attention dropout in training mode).
+    """
+    attention = [m for m in unhandled if isinstance(m, nn.MultiheadAttention)]
+    if not attention:
+        return ""
+    dropout = sorted({m.dropout for m in attention if m.dropout > 0})
+    yours = f"; yours have dropout={', '.join(map(str, dropout))}" if dropout else ""
+    return (
+        " For nn.MultiheadAttention each way has a condition: opacus.layers.DPMultiheadAttention has no causal "
+        "mask (its forward asserts is_causal=False, and with batch_first=True it checks an attn_mask's size "
+        "against the batch size), so it fits unmasked encoders but not a causal decoder (nn.TransformerDecoder, "
+        "tgt_mask); grad_sample_mode='functorch' takes any mask but refuses a layer that draws random numbers, "
+        f"so the attention's dropout must be 0 in training (e.g. nn.TransformerDecoderLayer(..., dropout=0.0){yours}; "
+        "dropout modules elsewhere are fine)."
+    )
 
 
 def check_no_gradient_checkpointing(module: nn.Module) -> None:
