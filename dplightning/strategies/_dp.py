@@ -55,6 +55,7 @@ from dplightning.strategies.checkpoint import atomic_save, is_local_path
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.coupling import CouplingProbe, probe_batch, quietly, rng_state, step_loss
 from dplightning.strategies.journal import PrivacyJournal
+from dplightning.strategies.private_logging import watch_private_logs
 from dplightning.strategies.private_step import VERIFIED_STEPS, PrivateStep
 
 CHECKPOINT_KEY = "dplightning"
@@ -369,7 +370,7 @@ class _DPHooks(Strategy):
         self._engines = {name: engine for name, _, _, engine in hooks.summary()}
         self._rows_per_unit = _rows_per_unit(module)
         capturing = lambda: self.private_step is not None and self.private_step.hooks.capturing  # noqa: E731
-        self._extra_handles = refuse_batch_mean_loss(module, capturing)
+        self._extra_handles = [*refuse_batch_mean_loss(module, capturing), watch_private_logs(trainer)]
         self._nonfinite_seen, self._warned_nonfinite = 0, False
         self._released_this_fit = 0
         self._restore_dp_state(trainer)
