@@ -449,6 +449,23 @@ def _train_probe(
     )
 
 
+_OPTION_HELP = {
+    "canaries": "Number m of canaries, each put into the training set with probability 1/2; keep 2·m·δ well "
+    "below 1 − confidence.",
+    "regular": "Ordinary training examples, always included (with the included canaries they make N).",
+    "batch_size": "Expected Poisson batch size; q = batch_size / N.",
+    "steps": "Optimizer steps of the audited run; the score reads every released step.",
+    "noise_multiplier": "σ of the DP strategy under audit.",
+    "max_grad_norm": "Clipping bound C of the DP strategy (a canary's gradient is far above it before clipping).",
+    "delta": "δ of the claimed guarantee and of the audit's bound.",
+    "confidence": "Confidence level of the empirical lower bound on ε.",
+    "k_pos": "Guesses 'in' for the k₊ canaries with the highest scores, fixed before the scores are seen.",
+    "k_neg": "Guesses 'out' for the k₋ canaries with the lowest scores.",
+    "accountant": "Accountant of the claimed ε (prv, rdp or gdp).",
+}
+"""The --help text of each option that mirrors an argument of :func:`audit`."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dplightning audit``; exit status 1 if the audit refutes the claimed ε."""
     defaults = inspect.signature(audit).parameters
@@ -458,13 +475,17 @@ def main(argv: list[str] | None = None) -> int:
                        ("confidence", float), ("k_pos", int), ("k_neg", int),
                        ("accountant", str)]:  # fmt: skip
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=defaults[name].default,
-                            help="default: %(default)s")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=None, help="For reproducing a run (tests); default OS entropy.")
+                            help=_OPTION_HELP[name] + " (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=None,
+                        help="Seeds the canaries, data, sampling and noise, for reproducing a run (tests only: a "
+                        "seeded mechanism is not private); default OS entropy.")  # fmt: skip
     parser.add_argument("--sabotage", choices=SABOTAGES, default=None,
-                        help="Break the mechanism on purpose, to check that the audit notices.")  # fmt: skip
+                        help="Break the mechanism on purpose, to check that the audit notices: noise (none "
+                        "added), clipping (none applied), or noise_scale / clipping_scale with --sabotage-factor. "
+                        "The claimed ε stays that of the intact mechanism.")  # fmt: skip
     parser.add_argument("--sabotage-factor", type=float, default=None,
                         help="Factor of noise_scale (0.25: σ/4) and clipping_scale (4: 4C).")  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="Print the result as JSON.")
+    parser.add_argument("--json", action="store_true", help="Print the result as JSON instead of two lines of text.")
     args = vars(parser.parse_args(argv))
     as_json = args.pop("json")
     torch.set_num_threads(1)

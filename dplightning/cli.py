@@ -7,15 +7,24 @@ dplightning export --ckpt run.ckpt --out exported/                 # Hugging Fac
 dplightning memory-plan --config configs/finetune/opt-6.7b_lora.yaml --gpu-memory 80GB
 dplightning privacy-report run.ckpt [--json]                       # the checkpoint's privacy claim, recomputed
 dplightning audit --help                                           # empirical ε lower bound from canaries
+dplightning calibrate --target-epsilon 3 --sample-rate 0.2 --steps 200 --delta 1e-5   # σ without training
+
+A configuration error raised by dplightning's own checks (a ValueError or TypeError raised in
+dplightning's code) is printed as one line and the command exits with status 2; ``--traceback``
+anywhere on the command line, or ``DPLIGHTNING_TRACEBACK=1``, shows the full traceback instead.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
 
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -52,7 +61,7 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> DPLightningCLI
     saving: dict[str, Any] = {"save_config_kwargs": {"overwrite": True}} if run else {"save_config_callback": None}
     return DPLightningCLI(
         LightningModule,
-        LightningDataModule,
+        None,  # --data is optional (any LightningDataModule): a module may bring its own dataloaders
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=args,
@@ -61,36 +70,67 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> DPLightningCLI
     )
 
 
+COMMANDS: dict[str, str] = {
+    "export": "dplightning.export",
+    "memory-plan": "dplightning.planning.memory",
+    "privacy-report": "dplightning.report",
+    "audit": "dplightning.audit",
+    "calibrate": "dplightning.calibrate",
+}
+"""Commands of their own (module with a ``main(argv) -> int``); everything else is LightningCLI's."""
+
+TRACEBACK_FLAG, TRACEBACK_ENV = "--traceback", "DPLIGHTNING_TRACEBACK"
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``dplightning`` console script (and ``python -m dplightning.cli``).
 
-    ``export``, ``memory-plan``, ``privacy-report`` and ``audit`` are commands of their own; everything
-    else is LightningCLI's.
+    ``export``, ``memory-plan``, ``privacy-report``, ``audit`` and ``calibrate`` are commands of
+    their own; everything else is LightningCLI's. A dplightning configuration error ends the
+    command with one line on stderr and exit status 2 (see the module docstring).
     """
     argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] == "export":
-        from dplightning.export import main as export_main
+    full_traceback = TRACEBACK_FLAG in argv or os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+    argv = [arg for arg in argv if arg != TRACEBACK_FLAG]
+    if args is None:
+        sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns if given both)
+    try:
+        _dispatch(argv, None if args is None else argv)
+    except (ValueError, TypeError) as err:
+        if full_traceback or not raised_by_dplightning(err):
+            raise
+        _exit_with_one_line(err)
 
-        sys.exit(export_main(argv[1:]))
-    if argv and argv[0] == "memory-plan":
-        from dplightning.planning.memory import main as plan_main
 
-        sys.exit(plan_main(argv[1:]))
-    if argv and argv[0] == "privacy-report":
-        from dplightning.report import main as report_main
-
-        sys.exit(report_main(argv[1:]))
-    if argv and argv[0] == "audit":
-        from dplightning.audit import main as audit_main
-
-        sys.exit(audit_main(argv[1:]))
+def _dispatch(argv: list[str], cli_args: list[str] | None) -> None:
+    if argv and argv[0] in COMMANDS:
+        command: Callable[[list[str]], int] = importlib.import_module(COMMANDS[argv[0]]).main
+        sys.exit(command(argv[1:]))
     if argv[:1] in (["-h"], ["--help"]):
         print(
-            "dplightning also has: export --ckpt CKPT --out DIR (Hugging Face folders with the run's (ε, δ)) and "
+            "dplightning also has: export --ckpt CKPT --out DIR (Hugging Face folders with the run's (ε, δ)), "
             "memory-plan --config CONFIG [--gpu-memory 80GB] (per-GPU memory of a DP step), privacy-report CKPT "
-            "[--json] (the checkpoint's privacy claim, ε recomputed) and audit (an empirical lower bound on ε).\n"
+            "[--json] (the checkpoint's privacy claim, ε recomputed), audit (an empirical lower bound on ε) and "
+            "calibrate --target-epsilon E --sample-rate q --steps T (σ for a target ε, without training). "
+            f"{TRACEBACK_FLAG} (or {TRACEBACK_ENV}=1) shows the full traceback of a configuration error.\n"
         )
-    build_cli(args)
+    build_cli(cli_args)
+
+
+def raised_by_dplightning(err: BaseException) -> bool:
+    """Whether ``err`` was raised in dplightning's own code (a check of ours, not a failure inside a library)."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
+
+
+def _exit_with_one_line(err: BaseException) -> NoReturn:
+    print(f"dplightning: error: {err} ({TRACEBACK_FLAG} for the full traceback)", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

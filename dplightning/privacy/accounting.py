@@ -15,12 +15,16 @@ from typing import Any
 
 from opacus.accountants import create_accountant
 from opacus.accountants.registry import _ACCOUNTANTS
-from opacus.accountants.utils import get_noise_multiplier
+from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
 Segment = tuple[float, float, int]
 """One run of identical steps: (noise multiplier σ, sample rate q, number of steps)."""
 
 _FORMAT_VERSION = 1
+
+SIGMA_CAP = MAX_SIGMA / 2
+"""σ at which an unreachable target's floor is reported: Opacus' calibration doubles σ up to
+``MAX_SIGMA`` and always tries one σ in [MAX_SIGMA / 2, MAX_SIGMA], so ε(SIGMA_CAP) is reachable."""
 
 
 def available_accountants() -> list[str]:
@@ -68,7 +72,8 @@ def calibrate_noise_multiplier(
     """Smallest σ (to Opacus' bisection tolerance) with ε(σ, q, steps) ≤ ``target_epsilon``.
 
     Raises:
-        ValueError: If the arguments are out of range or the budget is unreachable.
+        ValueError: If the arguments are out of range, or the budget is unreachable (the message
+            then gives the smallest ε the accountant certifies at these q, steps and δ).
     """
     if target_epsilon <= 0:
         raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}.")
@@ -76,15 +81,61 @@ def calibrate_noise_multiplier(
         raise ValueError(f"Cannot calibrate σ for {steps} steps; set max_epochs or max_steps.")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        sigma = get_noise_multiplier(
-            target_epsilon=target_epsilon,
-            target_delta=delta,
-            sample_rate=sample_rate,
-            steps=steps,
-            accountant=check_accountant(accountant),
-            epsilon_tolerance=0.01 * min(1.0, target_epsilon),
-        )
+        try:
+            sigma = get_noise_multiplier(
+                target_epsilon=target_epsilon,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant=check_accountant(accountant),
+                epsilon_tolerance=0.01 * min(1.0, target_epsilon),
+            )
+        except ValueError as err:  # Opacus' bare "The privacy budget is too low." (GDP: its root finder's error)
+            raise ValueError(unreachable_target_message(target_epsilon, delta, sample_rate, steps, accountant)) from err
     return float(sigma)
+
+
+def epsilon_floor(delta: float, sample_rate: float, steps: int, accountant: str = "prv") -> float | None:
+    """ε at σ = ``SIGMA_CAP``; ``None`` if the accountant fails there.
+
+    Past this σ more noise no longer lowers ε: what is left is the accountant's own resolution
+    (RDP's finite set of orders, PRV's error bound). Any target ≥ it can be calibrated.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")  # RDP: expected here
+            return compute_epsilon([(SIGMA_CAP, sample_rate, steps)], delta, accountant)
+    except ValueError:  # GDP's root finder has no sign change at such σ
+        return None
+
+
+def unreachable_target_message(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str
+) -> str:
+    """Why no σ reaches ``target_epsilon`` here, with the smallest ε that can be asked for."""
+    text = (
+        f"target_epsilon = {target_epsilon} is out of reach with the '{accountant}' accountant at q = "
+        f"{sample_rate:.4g}, {steps} steps and δ = {delta:.3g}: "
+    )
+    floor = epsilon_floor(delta, sample_rate, steps, accountant)
+    if floor is None:
+        text += f"its calibration fails for every σ up to {MAX_SIGMA:.0e}."
+    else:
+        text += (
+            f"even σ = {SIGMA_CAP:.0e} gives ε = {floor:.4g}, and more noise no longer lowers it (the accountant's "
+            f"numerical resolution). Ask for target_epsilon ≥ {_round_up(floor):g}."
+        )
+    for other in ("prv", "rdp"):
+        other_floor = epsilon_floor(delta, sample_rate, steps, other) if other != accountant else None
+        if other_floor is not None and (floor is None or other_floor < floor):
+            return text + f" accountant='{other}' certifies ε down to {other_floor:.3g} here."
+    return text
+
+
+def _round_up(value: float) -> float:
+    """``value`` rounded up to 3 significant digits (a target sure to be reachable)."""
+    scale = 10 ** (2 - math.floor(math.log10(value)))
+    return math.ceil(value * scale) / scale
 
 
 def combined_noise_multiplier(noise_multipliers: Iterable[float]) -> float:
