@@ -9,8 +9,11 @@ The guarantee is recomputed from the checkpoint's privacy ledger, never copied f
 after checking the ledger against the checkpoint's σ, q and global_step; ``privacy.json``
 and the card also state the privacy unit, what the data computed from the private training
 split outside the DP steps (``not_covered``: e.g. a tokenizer fitted on it) and whether a
-test seed was used. Exit status: 0, 2 without a privacy ledger, 3 if the ledger contradicts
-the checkpoint.
+test seed was used. The checkpoint is loaded with ``torch.load(weights_only=True)``, which
+never runs code from the file: one that pickles other objects than tensors, plain containers
+and the few dplightning records of :data:`SAFE_GLOBALS` is refused (``--trust-checkpoint``
+loads your own such files). Exit status: 0, 2 without a privacy ledger, 3 if the ledger
+contradicts the checkpoint, 4 if the file would run code when loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import importlib
 import inspect
 import json
 import math
+import pickle
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,9 +33,50 @@ import torch
 
 from dplightning.data.provenance import describe_privacy_unit
 from dplightning.modules._hf_module import CLASS_KEY, CONFIG_KEY, HFModule
+from dplightning.modules.hf import LoraSettings
 from dplightning.privacy.accounting import compute_epsilon
 from dplightning.strategies._dp import CHECKPOINT_KEY
 from dplightning.strategies.accounting import SEEDED_RISK, InconsistentLedger, check_ledger
+
+SAFE_GLOBALS: list[type] = [LoraSettings]
+"""Classes a dplightning checkpoint may pickle besides tensors and plain containers (the LoRA settings
+among a module's hyperparameters); the privacy record itself holds plain values only."""
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint that pickles objects whose loading could run code from the file."""
+
+
+def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
+    """Load a checkpoint on the CPU without running code from it, unless ``trust``.
+
+    ``torch.load(weights_only=True)`` rebuilds tensors, plain containers and :data:`SAFE_GLOBALS`
+    only; a full unpickle (``weights_only=False``) would execute whatever the file's pickle calls.
+
+    Raises:
+        UnsafeCheckpoint: If the file pickles other objects and ``trust`` is False.
+    """
+    if trust:
+        return torch.load(str(path), map_location="cpu", weights_only=False)  # the caller vouches for the file
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpoint(
+            "refused to load the checkpoint: it pickles objects other than tensors and plain containers "
+            f"({_unsafe_globals(path, err)}), and loading them would run code from the file. Open only a checkpoint "
+            "you wrote yourself with --trust-checkpoint (a dplightning privacy record needs only plain values)."
+        ) from err
+
+
+def _unsafe_globals(path: str | Path, err: Exception) -> str:
+    """The names of what the file pickles beyond :data:`SAFE_GLOBALS` (read without unpickling)."""
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in SAFE_GLOBALS}
+    try:
+        names = [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) if n not in allowed]
+    except Exception:  # not a zip checkpoint: fall back to the name torch's error gives
+        names = re.findall(r"GLOBAL ([\w.]+)", str(err))[:1]
+    return ", ".join(names) or "an unsupported pickle opcode"
 
 
 def privacy_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -147,9 +193,12 @@ def _write(model: Any, tokenizer: Any, folder: Path, privacy: dict[str, Any], ki
     (folder / "README.md").write_text(_card(privacy, kind, base, pooling), encoding="utf-8")
 
 
-def export(ckpt: str | Path, out: str | Path, merged: bool = True) -> list[Path]:
-    """Export ``ckpt`` to Hugging Face folders under ``out``; returns the folders written."""
-    checkpoint = torch.load(str(ckpt), map_location="cpu", weights_only=False)  # our own checkpoint format
+def export(ckpt: str | Path, out: str | Path, merged: bool = True, trust: bool = False) -> list[Path]:
+    """Export ``ckpt`` to Hugging Face folders under ``out``; returns the folders written.
+
+    ``trust``: load the checkpoint with a full unpickle (see :func:`load_checkpoint`).
+    """
+    checkpoint = load_checkpoint(ckpt, trust)
     privacy = privacy_of(checkpoint)
     module = load_module(checkpoint)
     base = checkpoint.get("hyper_parameters", {}).get("pretrained")
@@ -167,18 +216,32 @@ def export(ckpt: str | Path, out: str | Path, merged: bool = True) -> list[Path]
     return written
 
 
+TRUST_HELP = (
+    "Load the checkpoint with a full unpickle (torch.load weights_only=False), which runs any code the file carries: "
+    "only for a checkpoint you wrote yourself that pickles objects beyond tensors and plain containers."
+)
+
+
+def exit_status(err: ValueError) -> int:
+    """Exit status of a refused checkpoint: 4 unsafe to load, 3 a contradicting ledger, 2 otherwise (no ledger)."""
+    if isinstance(err, UnsafeCheckpoint):
+        return 4
+    return 3 if isinstance(err, InconsistentLedger) else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dplightning export``."""
     parser = argparse.ArgumentParser(prog="dplightning export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", required=True, help="Checkpoint of a DPCausalLM or DPSequenceClassifier run.")
     parser.add_argument("--out", required=True, help="Folder to write the Hugging Face folders into.")
     parser.add_argument("--no-merged", action="store_true", help="With LoRA, write only the adapter folder.")
+    parser.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     args = parser.parse_args(argv)
     try:
-        folders = export(args.ckpt, args.out, merged=not args.no_merged)
-    except ValueError as err:  # no ledger, a ledger that contradicts its record, not an HF module
+        folders = export(args.ckpt, args.out, merged=not args.no_merged, trust=args.trust_checkpoint)
+    except ValueError as err:  # unsafe to load, no ledger, a ledger that contradicts its record, not an HF module
         print(f"{args.ckpt}: {err}", file=sys.stderr)
-        return 3 if isinstance(err, InconsistentLedger) else 2
+        return exit_status(err)
     for folder in folders:
         privacy = json.loads((folder / "privacy.json").read_text(encoding="utf-8"))
         print(f"{folder}: ε = {privacy['epsilon']:.4g}, δ = {privacy['delta']:.3g}")

@@ -10,7 +10,8 @@ ledger is first checked against the checkpoint (at least ``global_step`` steps; 
 segment at the recorded σ and q); ε is then recomputed from its (σ, q, steps) history with
 the installed Opacus accountant and compared with the ε stored when the checkpoint was
 written. The exit status is 0 if they match, 1 if they do not, 2 if the file has no privacy
-ledger, 3 if the ledger contradicts the checkpoint.
+ledger, 3 if the ledger contradicts the checkpoint, 4 if loading the file would run code from
+it (it is loaded with ``weights_only=True``: :func:`dplightning.export.load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from dplightning.export import privacy_of
+from dplightning.export import TRUST_HELP, exit_status, load_checkpoint, privacy_of
 from dplightning.strategies._dp import CHECKPOINT_KEY
-from dplightning.strategies.accounting import SEEDED_RISK, InconsistentLedger, library_versions
+from dplightning.strategies.accounting import SEEDED_RISK, library_versions
 
 MATCH_RTOL = 1e-6
 """Relative tolerance between the stored and the recomputed ε (the same accountant gives the same float)."""
@@ -67,10 +66,12 @@ def privacy_report(checkpoint: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_report(path: str | Path) -> dict[str, Any]:
-    """Load ``path`` on the CPU and return its :func:`privacy_report`."""
-    checkpoint = torch.load(str(path), map_location="cpu", weights_only=False)  # our own checkpoint format
-    return privacy_report(checkpoint)
+def load_report(path: str | Path, trust: bool = False) -> dict[str, Any]:
+    """Load ``path`` on the CPU without running code from it and return its :func:`privacy_report`.
+
+    ``trust``: load with a full unpickle instead (:func:`dplightning.export.load_checkpoint`).
+    """
+    return privacy_report(load_checkpoint(path, trust))
 
 
 def _fmt(value: Any) -> str:
@@ -117,12 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dplightning privacy-report", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="A checkpoint written by a dplightning DP strategy.")
     parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    parser.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     args = parser.parse_args(argv)
     try:
-        report = load_report(args.checkpoint)
-    except ValueError as err:  # no ledger, or one that contradicts the checkpoint
+        report = load_report(args.checkpoint, trust=args.trust_checkpoint)
+    except ValueError as err:  # unsafe to load, no ledger, or a ledger that contradicts the checkpoint
         print(f"{args.checkpoint}: {err}")
-        return 3 if isinstance(err, InconsistentLedger) else 2
+        return exit_status(err)
     if args.json:
         print(json.dumps(report, indent=2, default=str, allow_nan=True))
     else:
