@@ -54,6 +54,7 @@ from dplightning.strategies.accounting import PrivacyAccounting, library_version
 from dplightning.strategies.checkpoint import atomic_save, is_local_path
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.coupling import CouplingProbe, probe_batch, quietly, rng_state, step_loss
+from dplightning.strategies.engine_report import report_engines
 from dplightning.strategies.journal import PrivacyJournal
 from dplightning.strategies.private_logging import watch_private_logs
 from dplightning.strategies.private_step import VERIFIED_STEPS, PrivateStep
@@ -75,6 +76,7 @@ class _DPHooks(Strategy):
         self._extra_handles: list[Any] = []
         self._final_stats: tuple[list[MicroBatchStats], int] = ([], 0)  # kept after teardown
         self._engines: dict[str, str] = {}  # layer -> engine, kept after teardown for the checkpoint
+        self._engine_table: str | None = None  # the last setup's, kept after teardown
         self._rows_per_unit = 1
         self._run_id = uuid.uuid4().hex  # names this run's privacy journal; kept in its checkpoints
         self._warned_nonfinite = False
@@ -181,6 +183,20 @@ class _DPHooks(Strategy):
         step = self.private_step
         sensitivity = step.privatizer.sensitivity if step is not None else self.dp_config.max_grad_norm
         return (self.accounting.noise_multiplier or 0.0) * sensitivity
+
+    def engine_table(self) -> str:
+        """The clipping engine of every hooked layer, as a table (setup prints a one-line summary).
+
+        Also written to ``dp_engines.txt`` in the trainer's log folder when it has a logger.
+
+        Raises:
+            RuntimeError: Before the first fit has set up the per-example hooks.
+        """
+        if self.private_step is not None:
+            return self.private_step.summary()  # current: re-planned if the trainable parameters changed
+        if self._engine_table is None:
+            raise RuntimeError("No engine table yet: the per-example hooks are set up at the start of fit.")
+        return self._engine_table
 
     @property
     def clip_groups(self) -> list[ClipGroup]:
@@ -365,9 +381,10 @@ class _DPHooks(Strategy):
             raise ValueError("LBFGS re-evaluates its closure; each evaluation would need fresh noise. Use SGD/Adam.")
         noise = GaussianNoise(self.dp_config.seed, rank=self.global_rank, secure_mode=self.dp_config.secure_mode)
         self.private_step = PrivateStep(self.dp_config, module, self.optimizers[0], noise)
-        rank_zero_info(f"Per-example gradients, engine per layer:\n{self.private_step.summary()}")
         hooks = known(self.private_step.hooks, "the per-example hooks")
         self._engines = {name: engine for name, _, _, engine in hooks.summary()}
+        self._engine_table = self.private_step.summary()
+        report_engines(self._engine_table, list(self._engines.values()), trainer, self.is_global_zero)
         self._rows_per_unit = _rows_per_unit(module)
         capturing = lambda: self.private_step is not None and self.private_step.hooks.capturing  # noqa: E731
         self._extra_handles = [*refuse_batch_mean_loss(module, capturing), watch_private_logs(trainer)]
