@@ -70,32 +70,25 @@ def test_the_named_conditions_are_the_ones_opacus_and_torch_func_impose() -> Non
     _fit(CausalDecoder(dropout=0.0), grad_sample_mode="functorch")  # both conditions met: it trains
 
 
-class Buckets(Sampler[list[int]]):
-    """A user's batch sampler (length bucketing, say) that states its batch size."""
+class Unsized(Sampler[list[int]]):
+    """A user's batch sampler (length bucketing, say) that does not state its batch size."""
 
-    def __init__(self, n: int, batch_size: int) -> None:
-        self.n, self.batch_size = n, batch_size
-
-    def __iter__(self):
-        yield from (list(range(i, min(i + self.batch_size, self.n))) for i in range(0, self.n, self.batch_size))
-
-    def __len__(self) -> int:
-        return -(-self.n // self.batch_size)
-
-
-class Unsized(Buckets):
-    """The same sampler without a ``batch_size`` attribute."""
-
-    def __init__(self, n: int, batch_size: int) -> None:
-        super().__init__(n, batch_size)
-        self.size = self.batch_size
-        del self.batch_size
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
 
     def __iter__(self):
         yield from (list(range(i, min(i + self.size, self.n))) for i in range(0, self.n, self.size))
 
     def __len__(self) -> int:
         return -(-self.n // self.size)
+
+
+class Buckets(Unsized):
+    """The same sampler stating its batch size."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.size
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 
-import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
@@ -89,4 +88,3 @@ def test_labelled_keys_and_the_coupling_probes_replay_do_not_warn(tmp_path) -> N
 
 def test_no_warning_without_logging() -> None:
     assert _fit(TinyModule()) == []
-    assert torch.is_grad_enabled()
