@@ -4,6 +4,7 @@ from dplightning.data.digits import DigitsDataModule
 from dplightning.data.ett import ETTDataModule
 from dplightning.data.idx import IDXImageDataModule
 from dplightning.data.poisson import EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader
+from dplightning.data.prediction_writer import TextPredictionWriter
 from dplightning.data.synthetic import LabelsDataModule, SyntheticDataWriter
 from dplightning.data.text import E2EDataModule, SST2DataModule, TextDataModule, TextFileDataModule
 
@@ -20,4 +21,5 @@ __all__ = [
     "SyntheticDataWriter",
     "TextDataModule",
     "TextFileDataModule",
+    "TextPredictionWriter",
 ]

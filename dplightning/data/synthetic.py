@@ -18,6 +18,8 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from dplightning.data.prediction_writer import run_folder
+
 
 def image_grid(images: Tensor, nrow: int = 10, pad: int = 1) -> np.ndarray:
     """``[N, C, H, W]`` floats in [0, 1] -> one ``uint8`` grid image (``[h, w]`` grey or ``[h, w, 3]``)."""
@@ -96,10 +98,11 @@ class SyntheticDataWriter(BasePredictionWriter):
     """Collects ``{"images", "labels"}`` predictions and writes them with :func:`save_synthetic` at the end.
 
     Args:
-        output_dir: Where ``synthetic.pt`` and ``grid.png`` go.
+        output_dir: Where ``synthetic.pt`` and ``grid.png`` go; default ``<trainer.log_dir>/synthetic``
+            (see :func:`~dplightning.data.prediction_writer.run_folder`).
     """
 
-    def __init__(self, output_dir: str = "synthetic") -> None:
+    def __init__(self, output_dir: str | None = None) -> None:
         super().__init__(write_interval="epoch")
         self.output_dir = output_dir
 
@@ -113,5 +116,6 @@ class SyntheticDataWriter(BasePredictionWriter):
         batches = predictions[0] if predictions and isinstance(predictions[0], list) else predictions
         images = torch.cat([b["images"] for b in batches])
         labels = torch.cat([b["labels"] for b in batches])
-        tensor_path, grid_path = save_synthetic(images, labels, self.output_dir)
+        folder = self.output_dir or run_folder(trainer) / "synthetic"
+        tensor_path, grid_path = save_synthetic(images, labels, folder)
         print(f"Wrote {len(labels)} synthetic images to {tensor_path} (grid: {grid_path}).")
