@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from _harness import write_report
+from _outputs import default_result
 
 from dplightning.audit import AuditResult, audit
 from dplightning.privacy.accounting import compute_epsilon
@@ -95,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/audit_power_cpu.json"))
+    parser.add_argument("--out", type=Path, default=default_result("audit_power_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

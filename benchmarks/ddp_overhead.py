@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 import opacus
 import torch
 import torch.nn.functional as F
+from _outputs import default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -123,7 +124,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
-    parser.add_argument("--out", default="benchmarks/results/ddp_overhead_cpu.json")
+    parser.add_argument("--out", default=str(default_result("ddp_overhead_cpu.json")))
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup = 5, 2

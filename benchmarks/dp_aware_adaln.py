@@ -28,6 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from _outputs import default_figures, default_result
 from torch import Tensor
 from torch.func import functional_call, grad, vmap
 
@@ -76,8 +77,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--test-windows", type=int, default=32)
     p.add_argument("--samples", type=int, default=16, help="samples per test window")
     p.add_argument("--probe-windows", type=int, default=64, help="validation windows for the probe diagnostics")
-    p.add_argument("--out", default="benchmarks/results/dp_aware_adaln_cpu.json")
-    p.add_argument("--figures", default="docs/figures")
+    p.add_argument("--out", default=str(default_result("dp_aware_adaln_cpu.json")))
+    p.add_argument("--figures", default=str(default_figures()))
     return p.parse_args()
 
 

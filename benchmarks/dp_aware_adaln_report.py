@@ -1,6 +1,9 @@
 """Tables and figures from ``benchmarks/dp_aware_adaln.py``'s JSON (no training).
 
-python benchmarks/dp_aware_adaln_report.py [benchmarks/results/dp_aware_adaln_cpu.json] [docs/figures]
+python benchmarks/dp_aware_adaln_report.py [RESULTS_JSON] [FIGURES]
+
+RESULTS_JSON defaults to the committed benchmarks/results/dp_aware_adaln_cpu.json, FIGURES to
+outputs/figures (pass docs/figures to replace the committed figures).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+from _outputs import default_figures
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -123,7 +127,7 @@ def forecast_figure(report: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     source = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/dp_aware_adaln_cpu.json")
-    figures = Path(sys.argv[2] if len(sys.argv) > 2 else "docs/figures")
+    figures = Path(sys.argv[2]) if len(sys.argv) > 2 else default_figures()
     report = json.loads(source.read_text())
     figures.mkdir(parents=True, exist_ok=True)
     for task in sorted({r["task"] for r in report["runs"]}):

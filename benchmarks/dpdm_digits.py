@@ -26,6 +26,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from _outputs import default_figures, default_result
 
 import dplightning
 from dplightning.data import DigitsDataModule
@@ -108,8 +109,8 @@ def main() -> None:
     parser.add_argument("--sampling-steps", type=int, default=32)
     parser.add_argument("--clf-epochs", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--figures", default="docs/figures")
-    parser.add_argument("--out", default="benchmarks/results/dpdm_digits.json")
+    parser.add_argument("--figures", default=str(default_figures()))
+    parser.add_argument("--out", default=str(default_result("dpdm_digits.json")))
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")

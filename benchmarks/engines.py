@@ -36,6 +36,7 @@ import opacus
 import torch
 import torch.nn.functional as F
 from _harness import StepClock, in_fresh_process, measured, summarise, write_report
+from _outputs import default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-other-cpu", type=float, default=5.0, help="retry a repeat above this %% (100 = never)")
     parser.add_argument("--clipping", default="flat", help="clipping policy of the dp_* runners (Opacus: flat only)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat of 3 steps after 1 warm-up")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engines_cpu.json"))
+    parser.add_argument("--out", type=Path, default=default_result("engines_cpu.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats = 3, 1, 1

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from _harness import environment
+from _outputs import default_result
 
 from dplightning.cli import build_cli
 
@@ -121,7 +122,7 @@ def main() -> None:
     parser.add_argument("--pooling", default="mean", choices=["mean", "model"], help="see DPSequenceClassifier")
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="DP-Adam(W) or a DP optimizer")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "finetune_sst2_cpu.json"))
+    parser.add_argument("--out", default=str(default_result("finetune_sst2_cpu.json")))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

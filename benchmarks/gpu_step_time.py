@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import opacus
 import torch
 import torch.nn.functional as F
+from _outputs import default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
-    parser.add_argument("--out", default="benchmarks/results/gpu_step_time.json")
+    parser.add_argument("--out", default=str(default_result("gpu_step_time.json")))
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     results: dict[str, dict[str, dict[str, float]]] = {}

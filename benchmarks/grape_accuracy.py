@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from _harness import environment
+from _outputs import default_result
 
 from dplightning.cli import build_cli
 
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--refresh-every", type=int, default=None, help="override DP-GRAPE's T")
     parser.add_argument("--projection-std", default=None, choices=["authors", "jl"], help="override DP-GRAPE's P scale")
     parser.add_argument("--scale", default=None, help="override DP-GRAPE's lift scale (a number or 'rms')")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grape_accuracy_cpu.json"))
+    parser.add_argument("--out", default=str(default_result("grape_accuracy_cpu.json")))
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)

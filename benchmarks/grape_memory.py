@@ -51,11 +51,10 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from _harness import StepClock, in_fresh_process, measured, summarise, write_report
+from _outputs import default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "grape_memory_cpu.json"
 RUNNERS = ("adam", "dp-adam", "dp-adam-inst", "opacus-hooks", "dp-grape")
 MODELS = {
     "vit": dict(model_type="vit", image_size=32, patch_size=4, num_channels=3, hidden_size=256, num_hidden_layers=6,
@@ -218,7 +217,7 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=float, default=512.0)
     parser.add_argument("--check-largest", action="store_true", help="measure the peak at the fitted largest batch")
     parser.add_argument("--max-other-cpu", type=float, default=100.0, help="retry above this foreign CPU share (%%)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=default_result("grape_memory_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     results: dict[str, Any] = {}

@@ -33,8 +33,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from _outputs import default_result
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "memory_plan_cpu.json"
 
 _GPT2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 4096, "n_positions": 128}
 _OPT = {
@@ -194,6 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=default_result("memory_plan_cpu.json"))
     args = parser.parse_args()
     if args.one:
         result = {**measure(CASES[args.one]), **estimate(CASES[args.one])}
@@ -209,9 +211,9 @@ def main() -> None:
         print(f"{name:16} {est:12.1f} {got:12.1f} {100 * err:+7.1f}%  {r['peak_phase']}", flush=True)
     command = "OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py --cases " + " ".join(args.cases)
     report = {"command": command, "versions": _versions(), "cases": rows}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

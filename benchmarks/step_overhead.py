@@ -40,6 +40,7 @@ import opacus
 import torch
 import torch.nn.functional as F
 from _harness import StepClock, in_fresh_process, measured, summarise, write_report
+from _outputs import default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -195,7 +196,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-other-cpu", type=float, default=5.0, help="retry a repeat above this %% (100 = never)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat of 5 steps after 2 warm-up")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_overhead_cpu.json"))
+    parser.add_argument("--out", type=Path, default=default_result("step_overhead_cpu.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats = 5, 2, 1
