@@ -16,6 +16,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
+from dplightning.data.prediction_writer import run_folder
+
 
 def _logger_step(steps_done: int) -> int:
     # Lightning logs what happened in the t-th optimizer step (1-based) at logger step t - 1.
@@ -83,5 +85,5 @@ def _tensorboard_histogram(
 
 
 def output_dir(trainer: pl.Trainer) -> Path:
-    """Where figures go: the first logger's directory, else ``default_root_dir`` (call on every rank)."""
-    return Path(trainer.log_dir or trainer.default_root_dir)
+    """Where figures go: the run's log folder, as for predictions (call on every rank)."""
+    return run_folder(trainer)
