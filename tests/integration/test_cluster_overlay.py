@@ -109,3 +109,22 @@ def test_launch_scripts_run_the_quickstart_with_q_at_most_one(script: str, launc
     assert world_size == 16 and q <= 1
     quickstart = _resolved(["fit", "--config", str(ROOT / "configs" / "quickstart.yaml")])
     assert _dp_arguments(quickstart).items() <= _dp_arguments(config).items()
+
+
+@pytest.mark.slow
+def test_overlay_runs_on_two_cpu_processes(tmp_path: Path) -> None:
+    """The recipe's CPU version (docs/multi_gpu_and_multi_node.md), one epoch: Lightning starts 2 gloo ranks."""
+    args = [
+        "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(OVERLAY),
+        "--trainer.accelerator", "cpu", "--trainer.num_nodes", "1", "--trainer.devices", "2",
+        "--trainer.precision", "32-true", "--trainer.strategy.init_args.process_group_backend", "gloo",
+        "--data.init_args.batch_size", "128", "--trainer.max_epochs", "1", "--test_after_fit", "false",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "dplightning.cli", *args]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    # the quickstart's q (128 x 2 / 1,258), C and accountant; σ calibrated for ε = 3 over this run's 5 steps
+    assert "q = 0.2035, C = 1.0" in out and "accountant = prv" in out and "(ε = 2.9" in out
