@@ -63,7 +63,8 @@ def compute_epsilon(history: Iterable[Segment], delta: float, accountant: str = 
     with warnings.catch_warnings():
         if accountant == "prv":  # PRV sizes its domain with an RDP bound; its tightness warning is noise here
             warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        return float(acc.get_epsilon(delta=delta))
+        # A negative ε (δ ≥ 1/N makes the accountants return one) certifies (0, δ)-DP: report 0.
+        return max(0.0, float(acc.get_epsilon(delta=delta)))
 
 
 def calibrate_noise_multiplier(

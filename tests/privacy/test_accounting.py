@@ -101,3 +101,9 @@ def test_calibration_rejects_bad_input() -> None:
         calibrate_noise_multiplier(0.0, DELTA, 0.1, 10)
     with pytest.raises(ValueError, match="steps"):
         calibrate_noise_multiplier(1.0, DELTA, 0.1, 0)
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_epsilon_is_never_negative(accountant: str) -> None:
+    # At δ = 0.5 both accountants return ε < 0 for this history; (0, δ)-DP is what that certifies.
+    assert compute_epsilon([(1.0, 0.25, 8)], 0.5, accountant) == 0.0
