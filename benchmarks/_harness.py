@@ -38,15 +38,24 @@ ENV_PREFIXES = ("MALLOC_", "OMP_", "MKL_", "LD_PRELOAD", "PYTHONPATH")  # settin
 
 
 class StepClock(pl.Callback):
-    """Records when each training batch starts and its rows; stops training after ``steps`` steps."""
+    """Records when each training batch starts and its rows; stops training after ``steps`` steps.
 
-    def __init__(self, steps: int) -> None:
+    Args:
+        steps: Steps to record; the batch after them only closes the last gap.
+        sync: Called before each reading, e.g. ``torch.cuda.synchronize`` so that a step's
+            queued GPU kernels count in its own gap.
+    """
+
+    def __init__(self, steps: int, sync: Callable[[], None] | None = None) -> None:
         self.steps = steps
+        self.sync = sync
         self.starts: list[float] = []
         self.rows: list[int] = []
 
     def tick(self, rows: int) -> bool:
         """Record a step start; return whether it only closes the last step (time to stop)."""
+        if self.sync is not None:
+            self.sync()
         self.starts.append(time.perf_counter())
         self.rows.append(rows)
         return len(self.starts) > self.steps
@@ -146,6 +155,9 @@ def source() -> dict[str, Any]:
     root = Path(dplightning.__file__).resolve().parents[1]
 
     def git(*argv: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True).stdout.strip()
+        try:
+            return subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True).stdout.strip()
+        except OSError:  # no git on the machine (the copy measured may have no .git either: then "")
+            return ""
 
     return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain").splitlines()}

@@ -19,6 +19,9 @@ each clipping engine) and ``opacus_hooks`` / ``opacus_ghost`` (Opacus' ``make_pr
 ``grad_sample_mode="hooks"`` / ``"ghost"``, driving a plain loop). All use AdamW(lr=1e-4); the
 DP runners use σ = 1, C = 1, flat clipping and Poisson sampling with q = B / N. Every
 measurement runs in a fresh process; see ``_harness.py`` for how time and memory are taken.
+
+``train_runner`` is what ``gpu_validation.py`` reuses on a GPU: the same runners with a
+:class:`Placement` (accelerator and precision) other than the CPU tables' fp32.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import logging
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,44 @@ from dplightning.models import SmallCNN
 from dplightning.privacy.grad_sample import available_engines
 
 NUM_CLASSES, VOCAB, SEQ = 10, 8192, 128
+PRECISIONS = ("32-true", "bf16-mixed")  # what the Opacus loop reproduces with autocast
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and in which precision a runner trains; the CPU tables use the default.
+
+    Attributes:
+        accelerator: Lightning's accelerator name, ``"cpu"`` or ``"gpu"`` (one CUDA device).
+        precision: Lightning's precision, ``"32-true"`` or ``"bf16-mixed"`` (autocast in the Opacus loop).
+    """
+
+    accelerator: str = "cpu"
+    precision: str = "32-true"
+
+    def __post_init__(self) -> None:
+        if self.accelerator not in ("cpu", "gpu"):
+            raise ValueError(f"accelerator must be 'cpu' or 'gpu', got {self.accelerator!r}.")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}.")
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda" if self.accelerator == "gpu" else "cpu")
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (CUDA kernels run asynchronously; CPU work does not)."""
+        if self.accelerator == "gpu":
+            torch.cuda.synchronize()
+
+    def autocast(self) -> Any:
+        """The Opacus loop's forward context: Lightning's ``bf16-mixed`` is autocast to bfloat16."""
+        if self.precision == "32-true":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+CPU = Placement()
 
 
 @dataclass(frozen=True)
@@ -136,16 +178,19 @@ class Task(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def _lightning(runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int, clipping: str) -> StepClock:
+def _lightning(
+    runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int, clipping: str, place: Placement
+) -> StepClock:
     strategy: Any = "auto"
     if runner.startswith("dp_"):
         strategy = dplightning.DPStrategy(
             noise_multiplier=1.0, max_grad_norm=1.0, clipping_engine=runner[3:], clipping=clipping
         )
-    clock = StepClock(steps)
+    clock = StepClock(steps, sync=place.synchronize)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=1000, logger=False, callbacks=[clock],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=strategy, accelerator=place.accelerator, devices=1, precision=place.precision, max_steps=1000,
+        logger=False, callbacks=[clock], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(Task(net, w.language_model), loader)
     return clock
@@ -165,10 +210,13 @@ def _register_vit_sampler_with_opacus() -> None:
     )
 
 
-def _opacus(runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int, clipping: str) -> StepClock:
+def _opacus(
+    runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int, clipping: str, place: Placement
+) -> StepClock:
     if clipping != "flat":
         raise ValueError("The Opacus runners are measured with flat clipping only.")
     _register_vit_sampler_with_opacus()
+    net = net.to(place.device)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     common = dict(noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=True)
     engine = opacus.PrivacyEngine(accountant="prv")
@@ -180,22 +228,43 @@ def _opacus(runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps:
         )  # fmt: skip
     else:
         net, opt, loader = engine.make_private(module=net, optimizer=opt, data_loader=loader, **common)
-    clock = StepClock(steps)
+    clock = StepClock(steps, sync=place.synchronize)
     for batch in loader:
         if clock.tick(len(batch[0])):
             break
+        batch = [t.to(place.device, non_blocking=True) for t in batch]
         opt.zero_grad(set_to_none=True)
-        logits = net(batch[0])
-        if criterion is None:
-            loss = per_example_loss(logits, batch, w.language_model).mean()
-        elif w.language_model:
-            flat = logits[:, :-1].reshape(-1, VOCAB)
-            loss = criterion(flat, batch[0][:, 1:].reshape(-1), shape=(len(logits), SEQ - 1, VOCAB))
-        else:
-            loss = criterion(logits, batch[1])
+        with place.autocast():
+            logits = net(batch[0])
+            if criterion is None:
+                loss = per_example_loss(logits, batch, w.language_model).mean()
+            elif w.language_model:
+                rows, tokens, vocab = logits.shape
+                flat = logits[:, :-1].reshape(-1, vocab)
+                loss = criterion(flat, batch[0][:, 1:].reshape(-1), shape=(rows, tokens - 1, vocab))
+            else:
+                loss = criterion(logits, batch[1])
         loss.backward()
         opt.step()
     return clock
+
+
+def train_runner(
+    runner: str, w: Workload, steps: int, warmup: int, clipping: str = "flat", place: Placement = CPU
+) -> StepClock:
+    """Train ``w`` with ``runner`` for ``warmup + steps`` recorded steps (and one closing step); its clock.
+
+    Every step falls in the first epoch (q = B / N with N = B x (warmup + steps + 3)). The
+    model is built on ``place``'s device from seed 0, so every runner starts from the same one.
+    """
+    if runner not in RUNNERS:
+        raise ValueError(f"Unknown runner {runner!r}; choose one of {RUNNERS}.")
+    loader = DataLoader(w.data(w.batch * (warmup + steps + 3)), batch_size=w.batch, shuffle=True)
+    torch.manual_seed(0)
+    with place.device:
+        net = w.build()
+    train = _opacus if runner.startswith("opacus") else _lightning
+    return train(runner, net, w, loader, warmup + steps, clipping, place)
 
 
 def measure(
@@ -206,11 +275,7 @@ def measure(
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(threads)
     w = WORKLOADS[workload]
-    loader = DataLoader(w.data(w.batch * (warmup + steps + 3)), batch_size=w.batch, shuffle=True)
-    torch.manual_seed(0)
-    net = w.build()
-    train = _opacus if runner.startswith("opacus") else _lightning
-    return measured(lambda: (train(runner, net, w, loader, warmup + steps, clipping), warmup))
+    return measured(lambda: (train_runner(runner, w, steps, warmup, clipping), warmup))
 
 
 RATIOS = [("nonprivate", "time"), ("opacus_hooks", "time"), ("nonprivate", "peak"), ("nonprivate", "growth")]

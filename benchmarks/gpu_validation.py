@@ -1,0 +1,881 @@
+"""One command that validates dplightning on one CUDA GPU within its own time budget.
+
+    python3 benchmarks/gpu_validation.py --out-dir benchmarks/results  # one GPU, 9 minutes in all
+    python benchmarks/gpu_validation.py --smoke                         # CPU, tiny sizes, < 1 min (the test)
+
+Rows, in the order they run (a row that would not fit in the time left is skipped and
+recorded with the reason):
+
+* ``calibration/<model>``: the ~60-second smoke phase. One short DP run (``dp_auto``) per
+  model measures the setup time and the time per step; the rest is sized from them;
+* ``invariants``: ``tests/invariants/test_single_device.py`` with ``DPL_TEST_ACCELERATOR=gpu``
+  (pass / fail of every test);
+* ``engines/<model>/<runner>``: the clipping engines of ``engines.py`` (``dp_auto``,
+  ``dp_book_keeping``, ``dp_instantiate``) against non-private training and Opacus' ``hooks``
+  and ``ghost`` modes, in bf16-mixed, on GPT-2 124M (untied head: Opacus' ghost mode refuses
+  tied embeddings), ViT-B/16 and RoBERTa-large, built from configs with random weights (no
+  downloads); median step time (``torch.cuda.synchronize`` at every step start) and the peak
+  of ``torch.cuda.max_memory_allocated`` over the whole run (weights, optimizer states,
+  inputs included);
+* ``planner/<model>``: ``dplightning.planning.memory.plan`` of a ``DPCausalLM`` /
+  ``DPSequenceClassifier`` fit config against the measured peak of three DP steps of it;
+* the rows of the method groups (DP-Muon, DP-GRAPE, DPDM, ...), added with
+  :func:`register_group` (see "Adding rows" below).
+
+``gpu_validation.json`` (provenance, budget, every row) and ``gpu_validation.md`` (the
+tables), in ``--out-dir`` (the record is ``benchmarks/results/``), are rewritten after every row, and a row is marked
+``running`` before it starts: a run killed at its limit still leaves every finished row.
+
+``--smoke`` runs every code path on CPU at tiny sizes (every row kind, every runner, every
+model kind, bf16-mixed; the classifiers with fewer runners); only the CUDA calls (the
+isolated ``_cuda_*`` functions and :meth:`engines.Placement.synchronize`) are left out. On
+CPU the peak memory is the largest running total of the CPU allocator from
+``torch.profiler``'s memory events (as ``memory_plan_check.py`` measures it), less what was
+allocated before; the times are not meaningful there (the profiler runs meanwhile).
+
+Adding rows: write ``rows(ctx: Context) -> list[Row]`` and decorate it with
+``@register_group("my_method")``. Each :class:`Row` gives its ``run(ctx, limit_s) -> dict``
+(the row's result, JSON-ready; an optional ``"summary"`` string goes into the markdown
+table), an ``estimate(ctx, steps) -> seconds`` used to skip it when it would not fit, and a
+``priority`` (lower runs first; the built-in rows use 0 to 3). Use ``ctx.place`` (device and
+precision), ``ctx.small`` (tiny sizes under ``--smoke``: keep the smoke run under a minute),
+``ctx.meter()`` for peak memory and ``ctx.step_s(model, runner)`` for the calibrated step
+times. A group without its own entry in ``TABLES`` is shown as name, status, seconds and summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import gc
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from _harness import environment
+from _outputs import default_result
+from engines import _HF, NUM_CLASSES, RUNNERS, Placement, Workload, train_runner
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL_BUDGET_S = 540.0  # 9 minutes, imports included: the device machine's one call is at most 10
+RESERVE_S = 10.0  # kept free at the end for the last writes
+CALIBRATION_LIMIT_S = 120.0  # one model's calibration; past it the model is planned as the slowest calibrated one
+INVARIANT_TESTS = ["tests/invariants/test_single_device.py"]
+SMOKE_INVARIANTS = "test_noise_is_added_exactly_once and auto"  # -k under --smoke: one quick test
+CORE_RUNNERS = ("nonprivate", "dp_auto", "opacus_hooks")  # every model's first comparison, before the rest
+# --smoke runs every runner on the language model (the Opacus loop's token-loss branch) and, on the
+# classifiers (whose dp_auto runs in calibration), the baseline and each Opacus mode once: every code
+# path once, in well under a minute.
+SMOKE_ENGINES = {
+    "gpt2": tuple(RUNNERS),
+    "vit": ("nonprivate", "opacus_ghost"),
+    "roberta": ("nonprivate", "opacus_hooks"),
+}
+# Step time of each runner relative to dp_auto, before it is measured (rough, conservative guesses).
+RUNNER_COST = {"nonprivate": 0.6, "dp_auto": 1.0, "dp_book_keeping": 1.3, "dp_instantiate": 2.5,
+               "opacus_hooks": 3.0, "opacus_ghost": 3.0}  # fmt: skip
+
+
+# ---------------------------------------------------------------- the models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of the suite.
+
+    Attributes:
+        name: Row name part, e.g. ``gpt2``.
+        title: What it is, for the tables.
+        kind: ``causal_lm`` (next-token loss), ``image`` or ``text`` (classification into
+            ``NUM_CLASSES``).
+        config: The ``transformers`` config mapping (``model_type`` plus fields): the form
+            ``DPCausalLM(config=...)`` and the memory planner read.
+        batch: Expected batch (Poisson sampling in the engine rows, fixed in the planner rows).
+        tokens: Sequence length of the token models (0 for images).
+        planned: Whether the memory planner models it (it plans causal LMs and text classifiers).
+    """
+
+    name: str
+    title: str
+    kind: str
+    config: dict[str, Any]
+    batch: int
+    tokens: int = 0
+
+    @property
+    def planned(self) -> bool:
+        return self.kind in ("causal_lm", "text")
+
+    @property
+    def vocab(self) -> int:
+        """The vocabulary, the config's default included (``GPT2Config()``'s 50257)."""
+        from dplightning.modules.hf import build_config
+
+        return int(build_config(self.config).vocab_size)
+
+
+def _roberta_large() -> dict[str, Any]:
+    from dplightning.planning.published import published_config
+
+    known = published_config("roberta-large")
+    if known is None:
+        raise RuntimeError("dplightning.planning.published has lost roberta-large's config.")
+    return {**known[1], "num_labels": NUM_CLASSES}
+
+
+def model_specs(small: bool) -> list[ModelSpec]:
+    """The suite at GPU sizes, or tiny under ``--smoke`` (same kinds, same code paths)."""
+    if small:
+        return [
+            ModelSpec("gpt2", "GPT-2 (2L-32), T=16", "causal_lm", {
+                "model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 128, "n_positions": 32,
+                "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False}, batch=16, tokens=16),
+            ModelSpec("vit", "ViT (2L-32), 16x16 patch 4", "image", {
+                "model_type": "vit", "image_size": 16, "patch_size": 4, "hidden_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "intermediate_size": 64, "num_labels": NUM_CLASSES}, batch=16),
+            ModelSpec("roberta", "RoBERTa (2L-32), T=16", "text", {
+                "model_type": "roberta", "vocab_size": 128, "max_position_embeddings": 40, "type_vocab_size": 1,
+                "pad_token_id": 1, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "intermediate_size": 64, "num_labels": NUM_CLASSES}, batch=16, tokens=16),
+        ]  # fmt: skip
+    return [
+        ModelSpec(
+            "gpt2", "GPT-2 124M (GPT2Config(), untied head: 163M), T=256", "causal_lm",
+            {"model_type": "gpt2", "tie_word_embeddings": False}, batch=32, tokens=256,
+        ),
+        ModelSpec("vit_b16", "ViT-B/16 (ViTConfig()), 224x224", "image",
+                  {"model_type": "vit", "num_labels": NUM_CLASSES}, batch=32),
+        ModelSpec("roberta_large", "RoBERTa-large (355M), T=128", "text", _roberta_large(), batch=32, tokens=128),
+    ]  # fmt: skip
+
+
+class _TextClassifier(nn.Module):
+    """A Hugging Face sequence classifier on token ids, returning logits.
+
+    The token types are passed as a [B, T] tensor: the model's own default is a [1, T]
+    buffer expanded over the batch, which per-example gradient samplers must not be given.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(input_ids=x, token_type_ids=torch.zeros_like(x)).logits
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """The spec's model with random weights (seeded by the caller), wrapped to return logits."""
+    import transformers
+
+    from dplightning.modules.hf import build_config
+
+    config = build_config(spec.config)
+    if spec.kind == "causal_lm":
+        return _HF(transformers.AutoModelForCausalLM.from_config(config), language_model=True)
+    if spec.kind == "image":
+        return _HF(transformers.AutoModelForImageClassification.from_config(config), language_model=False)
+    return _TextClassifier(transformers.AutoModelForSequenceClassification.from_config(config))
+
+
+def workload(spec: ModelSpec) -> Workload:
+    """The spec as an ``engines.py`` workload (random inputs; token ids avoid RoBERTa's specials 0-2)."""
+    if spec.kind == "image":
+        from dplightning.modules.hf import build_config
+
+        config = build_config(spec.config)
+        size, channels = int(config.image_size), int(config.num_channels)
+        return Workload(lambda: build_model(spec), lambda n, g: torch.randn(n, channels, size, size, generator=g),
+                        spec.batch)  # fmt: skip
+    low = 3 if spec.kind == "text" else 0
+    return Workload(
+        lambda: build_model(spec),
+        lambda n, g: torch.randint(low, spec.vocab, (n, spec.tokens), generator=g),
+        spec.batch,
+        language_model=spec.kind == "causal_lm",
+    )
+
+
+# ---------------------------------------------------------------- peak memory
+
+
+class PeakMeter:
+    """Peak bytes allocated while the ``with`` block runs; ``peak_bytes`` is set on exit."""
+
+    peak_bytes: float = math.nan
+    before_bytes: float = math.nan
+
+    def __enter__(self) -> PeakMeter:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: object) -> None:
+        raise NotImplementedError
+
+
+class CudaPeak(PeakMeter):
+    """``torch.cuda.max_memory_allocated`` over the block, less what was allocated before it."""
+
+    def __enter__(self) -> CudaPeak:
+        _release_memory()
+        self.before_bytes = _cuda_reset_peak()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak_bytes = _cuda_peak() - self.before_bytes
+
+
+class CpuProfilerPeak(PeakMeter):
+    """The largest running total of the CPU allocator (``torch.profiler`` memory events)."""
+
+    def __enter__(self) -> CpuProfilerPeak:
+        from torch.profiler import ProfilerActivity, profile
+
+        _release_memory()
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._prof.__exit__(*exc)
+        with tempfile.TemporaryDirectory() as folder:
+            trace = Path(folder) / "trace.json"
+            self._prof.export_chrome_trace(str(trace))
+            self.before_bytes, peak = cpu_allocator_totals(json.loads(trace.read_text())["traceEvents"])
+        self.peak_bytes = peak - self.before_bytes
+        self._prof = None
+
+
+def cpu_allocator_totals(events: list[dict[str, Any]]) -> tuple[float, float]:
+    """(bytes allocated before the first event, largest running total) of a trace's CPU memory events.
+
+    Each ``[memory]`` event carries the allocator's running total after it and its own size
+    (negative for a free), so the first one tells what was already allocated when profiling began.
+    """
+    memory = sorted(
+        (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0), key=lambda e: e["ts"]
+    )
+    if not memory:
+        return 0.0, 0.0
+    first = memory[0]["args"]
+    return float(first["Total Allocated"] - first["Bytes"]), float(max(e["args"]["Total Allocated"] for e in memory))
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        _cuda_empty_cache()
+
+
+# The CUDA-only calls, kept apart (``--smoke`` runs everything else on CPU).
+
+
+def _cuda_reset_peak() -> float:
+    torch.cuda.reset_peak_memory_stats()
+    return float(torch.cuda.memory_allocated())
+
+
+def _cuda_peak() -> float:
+    return float(torch.cuda.max_memory_allocated())
+
+
+def _cuda_empty_cache() -> None:
+    torch.cuda.empty_cache()
+
+
+def _cuda_provenance() -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": torch.cuda.get_device_name(0), "gpu_memory_gib": props.total_memory / 2**30,
+        "compute_capability": f"{props.major}.{props.minor}", "gpus_visible": torch.cuda.device_count(),
+        "cudnn": torch.backends.cudnn.version(),
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------- rows, the context and the budget
+
+
+class RowTimeout(Exception):
+    """A row ran past its time limit (raised by the watchdog's alarm)."""
+
+
+@dataclass
+class Row:
+    """One measurement of the validation run.
+
+    Attributes:
+        name: Unique, ``group/...``.
+        group: The registry group it belongs to (its table in the markdown).
+        run: ``run(ctx, limit_s) -> result`` (JSON-ready); ``limit_s`` is the time it has.
+        estimate: ``estimate(ctx, steps) -> seconds`` at ``steps`` timed steps per measurement.
+        priority: Lower runs first; ties keep the registration order.
+        scales: Whether its time grows with ``ctx.steps`` (used to choose ``steps``).
+    """
+
+    name: str
+    group: str
+    run: Callable[[Context, float], dict[str, Any]]
+    estimate: Callable[[Context, int], float]
+    priority: int = 4
+    scales: bool = True
+
+
+@dataclass
+class Context:
+    """What the rows share: placement, sizes, the budget and the calibration."""
+
+    place: Placement
+    small: bool
+    specs: list[ModelSpec]
+    deadline: float  # time.monotonic() by which everything must be written
+    warmup: int
+    steps: int
+    step_range: tuple[int, int]
+    invariant_estimate_s: float
+    invariant_limit_s: float
+    calibration: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def left(self) -> float:
+        """Seconds left before the deadline."""
+        return self.deadline - time.monotonic()
+
+    def meter(self) -> PeakMeter:
+        """A fresh peak-memory meter for this device."""
+        return CudaPeak() if self.place.accelerator == "gpu" else CpuProfilerPeak()
+
+    def step_s(self, model: str, runner: str) -> float:
+        """Estimated seconds per step of ``runner`` on ``model``: calibrated dp_auto x a prior factor."""
+        return self._calibrated(model)["step_s"] * RUNNER_COST.get(runner, 3.0)
+
+    def setup_s(self, model: str) -> float:
+        """Estimated seconds of one measurement's setup (build, Trainer, first-step extras) on ``model``."""
+        return self._calibrated(model)["setup_s"]
+
+    def _calibrated(self, model: str) -> dict[str, Any]:
+        done = [c for c in self.calibration.values() if c.get("step_s") is not None]
+        if model in self.calibration and self.calibration[model].get("step_s") is not None:
+            return self.calibration[model]
+        if done:  # an uncalibrated model: the slowest calibrated one
+            return {"step_s": max(c["step_s"] for c in done), "setup_s": max(c["setup_s"] for c in done)}
+        return {"step_s": 1.0, "setup_s": 30.0}  # nothing calibrated: plan pessimistically
+
+
+GROUPS: dict[str, Callable[[Context], list[Row]]] = {}
+"""The row registry: group name -> ``rows(ctx)``. Method issues add their groups here."""
+
+
+def register_group(name: str) -> Callable[[Callable[[Context], list[Row]]], Callable[[Context], list[Row]]]:
+    """Decorator: add ``rows(ctx) -> list[Row]`` to the run under ``name``."""
+
+    def add(fn: Callable[[Context], list[Row]]) -> Callable[[Context], list[Row]]:
+        if name in GROUPS:
+            raise ValueError(f"Row group {name!r} is registered twice.")
+        GROUPS[name] = fn
+        return fn
+
+    return add
+
+
+def choose_steps(rows: list[Row], ctx: Context, time_left: float) -> int:
+    """The most timed steps per measurement (within ``ctx.step_range``) with which every row fits.
+
+    When not even the fewest fit, the fewest: rows are then skipped from the lowest priority.
+    """
+    low, high = ctx.step_range
+    for steps in range(high, low - 1, -1):
+        if sum(r.estimate(ctx, steps) for r in rows) <= time_left:
+            return steps
+    return low
+
+
+def skip_reason(estimate_s: float, time_left: float) -> str | None:
+    """Why a row estimated at ``estimate_s`` must be skipped with ``time_left`` seconds left, if it must."""
+    if estimate_s > time_left:
+        return f"estimated {estimate_s:.0f} s, only {max(time_left, 0):.0f} s of the budget left"
+    return None
+
+
+@contextmanager
+def watchdog(limit_s: float) -> Iterator[None]:
+    """Raise :class:`RowTimeout` in this (main) thread after ``limit_s`` seconds."""
+
+    def fire(signum: int, frame: Any) -> None:
+        raise RowTimeout(f"ran past its limit of {limit_s:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, max(limit_s, 0.01))
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer > 0:  # an outer alarm (pytest-timeout's, say) keeps its own deadline
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 0.01))
+
+
+def run_row(row: Row, ctx: Context, limit_s: float) -> dict[str, Any]:
+    """Run one row under the watchdog; its record (status ``ok``, ``failed`` or ``timed_out``)."""
+    start = time.monotonic()
+    record: dict[str, Any] = {"name": row.name, "group": row.group, "limit_s": round(limit_s, 1)}
+    try:
+        with watchdog(limit_s):
+            result = row.run(ctx, limit_s)
+        record.update(status=result.pop("status", "ok"), result=result)
+        if "reason" in result:
+            record["reason"] = result.pop("reason")
+    except RowTimeout as error:
+        record.update(status="timed_out", reason=str(error))
+    except Exception as error:  # a failed row is recorded and the run goes on (an OOM included)
+        record.update(status="failed", reason=scrub(f"{type(error).__name__}: {error}")[:2000],
+                      traceback=scrub(traceback.format_exc())[-4000:])  # fmt: skip
+    finally:
+        _release_memory()
+    record["elapsed_s"] = round(time.monotonic() - start, 2)
+    return record
+
+
+def scrub(text: str) -> str:
+    """``text`` without the machine's paths: the checkout as ``<repo>``, installed packages as ``<site-packages>``."""
+    return re.sub(r"/[^\s\"']*?/(?:site|dist)-packages/", "<site-packages>/", text.replace(str(ROOT), "<repo>"))
+
+
+def command_line(argv: list[str]) -> str:
+    """How the script was called, absolute paths (an output folder, say) shown as ``<path>``."""
+    return " ".join(["python", "benchmarks/gpu_validation.py", *("<path>" if os.path.isabs(a) else a for a in argv)])
+
+
+# ---------------------------------------------------------------- calibration (the smoke phase)
+
+
+def calibrate(ctx: Context, spec: ModelSpec, limit_s: float) -> dict[str, Any]:
+    """A short dp_auto run: the setup seconds and the steady seconds per step of ``spec``."""
+    start = time.monotonic()
+    with ctx.meter() as meter:
+        clock = train_runner("dp_auto", workload(spec), 2, ctx.warmup, "flat", ctx.place)
+    wall = time.monotonic() - start
+    gaps = [ms / 1e3 for ms in clock.step_ms(0)]
+    step_s = statistics.median(gaps[ctx.warmup :])
+    setup_s = max(wall - (ctx.warmup + 3) * step_s, 0.0)  # build, Trainer, first steps' extras, teardown
+    result = {
+        "step_s": step_s,
+        "setup_s": setup_s,
+        "wall_s": wall,
+        "gaps_s": gaps,
+        "peak_mib": meter.peak_bytes / 2**20,
+    }
+    ctx.calibration[spec.name] = result
+    return {**result, "summary": f"dp_auto {1e3 * step_s:.1f} ms/step, setup {setup_s:.1f} s"}
+
+
+def calibration_rows(ctx: Context) -> list[Row]:
+    return [
+        Row(f"calibration/{s.name}", "calibration", lambda c, limit, s=s: calibrate(c, s, limit),
+            lambda c, steps: 0.0, priority=-1, scales=False)
+        for s in ctx.specs
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------- built-in groups
+
+
+@register_group("invariants")
+def invariant_rows(ctx: Context) -> list[Row]:
+    return [Row("invariants", "invariants", run_invariants, lambda c, steps: c.invariant_estimate_s, 0, scales=False)]
+
+
+def run_invariants(ctx: Context, limit_s: float) -> dict[str, Any]:
+    """The single-device invariant tests on this accelerator, in a pytest subprocess."""
+    accelerator = ctx.place.accelerator
+    argv = [sys.executable, "-m", "pytest", *INVARIANT_TESTS, "-v", "--maxfail=3", "-p", "no:cacheprovider"]
+    if ctx.small:
+        argv += ["-k", SMOKE_INVARIANTS]
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "DPL_TEST_ACCELERATOR": accelerator, "PYTHONPATH": python_path}
+    code: int | None = None
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            code = proc.wait(timeout=max(min(ctx.invariant_limit_s, limit_s - 5), 1))
+        except subprocess.TimeoutExpired:
+            pass  # code stays None: timed out
+        finally:  # also when the watchdog interrupts the wait: no test process outlives its row
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        out = log.read()
+    counts = pytest_counts(out)
+    result: dict[str, Any] = {
+        "command": f"DPL_TEST_ACCELERATOR={accelerator} python {' '.join(argv[1:])}", "returncode": code, **counts,
+        "output_tail": scrub(out)[-3000:], "summary": f"{counts['passed']} passed, {counts['failed']} failed",
+    }  # fmt: skip
+    if code is None:
+        result.update(
+            status="timed_out", reason=f"pytest stopped at the row's limit ({counts['passed']} passed so far)"
+        )
+    elif code != 0 or counts["failed"] or not counts["passed"]:
+        result.update(
+            status="failed", reason=f"pytest exit code {code}: {', '.join(counts['failures']) or 'see output_tail'}"
+        )
+    return result
+
+
+def pytest_counts(output: str) -> dict[str, Any]:
+    """Outcomes read from ``pytest -v`` lines (complete or not: a killed run still counts what it printed)."""
+    outcomes = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", output, re.MULTILINE)
+    count = {k: sum(o == k for _, o in outcomes) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    return {
+        "passed": count["PASSED"], "failed": count["FAILED"] + count["ERROR"], "skipped": count["SKIPPED"],
+        "failures": [t for t, o in outcomes if o in ("FAILED", "ERROR")],
+    }  # fmt: skip
+
+
+@register_group("engines")
+def engine_rows(ctx: Context) -> list[Row]:
+    """Every runner on every model; each model's core comparison first."""
+    ordered = [*CORE_RUNNERS, *(r for r in RUNNERS if r not in CORE_RUNNERS)]
+    return [
+        Row(f"engines/{s.name}/{r}", "engines", lambda c, limit, s=s, r=r: run_engine(c, s, r),
+            lambda c, steps, s=s, r=r: estimate_engine(c, s, r, steps), 1 if r in CORE_RUNNERS else 3)
+        for r in ordered for s in ctx.specs if not ctx.small or r in SMOKE_ENGINES[s.name]
+    ]  # fmt: skip
+
+
+def estimate_engine(ctx: Context, spec: ModelSpec, runner: str, steps: int) -> float:
+    return ctx.setup_s(spec.name) + (ctx.warmup + steps + 1) * ctx.step_s(spec.name, runner)
+
+
+def run_engine(ctx: Context, spec: ModelSpec, runner: str) -> dict[str, Any]:
+    """One runner on one model: median step time and peak memory."""
+    with ctx.meter() as meter:
+        clock = train_runner(runner, workload(spec), ctx.steps, ctx.warmup, "flat", ctx.place)
+    step_ms = clock.step_ms(ctx.warmup)
+    median = statistics.median(step_ms)
+    return {
+        "model": spec.name, "runner": runner, "median_ms": median, "mean_ms": statistics.fmean(step_ms),
+        "step_ms": step_ms, "warmup_ms": clock.step_ms(0)[: ctx.warmup], "steps": len(step_ms),
+        "mean_batch_rows": statistics.fmean(clock.rows[ctx.warmup : -1]), "peak_mib": meter.peak_bytes / 2**20,
+        "allocated_before_mib": meter.before_bytes / 2**20,
+        "summary": f"{median:.1f} ms/step, peak {meter.peak_bytes / 2**20:.0f} MiB",
+    }  # fmt: skip
+
+
+@register_group("planner")
+def planner_rows(ctx: Context) -> list[Row]:
+    return [
+        Row(f"planner/{s.name}", "planner", lambda c, limit, s=s: run_planner(c, s),
+            lambda c, steps, s=s: c.setup_s(s.name) + 4 * c.step_s(s.name, "dp_auto"), 2, scales=False)
+        for s in ctx.specs if s.planned
+    ]  # fmt: skip
+
+
+def planner_config(spec: ModelSpec, place: Placement) -> dict[str, Any]:
+    """The fit config (the mapping ``dplightning fit`` and ``memory-plan`` read) of a planner row."""
+    module = "DPCausalLM" if spec.kind == "causal_lm" else "DPSequenceClassifier"
+    init: dict[str, Any] = {"config": spec.config}
+    if spec.kind == "text":
+        init["num_labels"] = NUM_CLASSES
+    strategy = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "poisson_sampling": False}
+    return {
+        "trainer": {"accelerator": place.accelerator, "devices": 1, "precision": place.precision,
+                    "strategy": {"class_path": "dplightning.DPStrategy", "init_args": strategy}},
+        "model": {"class_path": f"dplightning.modules.{module}", "init_args": init},
+        "data": {"init_args": {"batch_size": spec.batch, "max_length": spec.tokens}},
+    }  # fmt: skip
+
+
+def _token_rows(spec: ModelSpec, n: int) -> list[dict[str, Tensor]]:
+    """Fixed-length token rows as the text DataModules make them (labels: the tokens, or a class)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, spec.vocab, (n, spec.tokens), generator=g)
+    labels = ids if spec.kind == "causal_lm" else torch.randint(0, NUM_CLASSES, (n,), generator=g)
+    return [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y} for i, y in zip(ids, labels)]
+
+
+def run_planner(ctx: Context, spec: ModelSpec, steps: int = 3) -> dict[str, Any]:
+    """The planner's peak for the spec's fit config against the measured peak of ``steps`` DP steps of it."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    import dplightning
+    from dplightning import modules
+    from dplightning.planning.memory import plan
+
+    config = planner_config(spec, ctx.place)
+    estimate = plan(config)
+    init = config["model"]["init_args"]
+    module_class = getattr(modules, config["model"]["class_path"].rsplit(".", 1)[1])
+    loader = DataLoader(_token_rows(spec, spec.batch * (steps + 1)), batch_size=spec.batch, shuffle=True)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    with ctx.meter() as meter:
+        with ctx.place.device:
+            module = module_class(**init)
+        trainer = pl.Trainer(
+            accelerator=ctx.place.accelerator, devices=1, precision=ctx.place.precision, max_steps=steps,
+            strategy=dplightning.DPStrategy(**config["trainer"]["strategy"]["init_args"]), logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        )  # fmt: skip
+        trainer.fit(module, loader)
+    error = estimate.peak / meter.peak_bytes - 1
+    return {
+        "model": spec.name, "config": config, "steps": steps, "estimated_peak_mib": estimate.peak / 2**20,
+        "measured_peak_mib": meter.peak_bytes / 2**20, "allocated_before_mib": meter.before_bytes / 2**20,
+        "relative_error": error, "peak_phase": estimate.peak_phase, "plan": estimate.to_dict(),
+        "summary": f"estimate {estimate.peak / 2**20:.0f} MiB, measured {meter.peak_bytes / 2**20:.0f} MiB "
+        f"({100 * error:+.1f} %)",
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------- provenance and outputs
+
+
+def provenance(place: Placement, commit: str | None) -> dict[str, Any]:
+    """Machine, versions, source and date of this run (no machine paths)."""
+    import transformers
+
+    env = environment(torch.get_num_threads())
+    if commit:
+        env["dplightning"]["commit_given"] = commit  # the copy measured may have no .git (device machines)
+    env["dplightning"]["source_sha256"] = source_digest()
+    record = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": place.device.type,
+        "precision": place.precision, "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda": torch.version.cuda, "transformers": transformers.__version__, **env,
+    }  # fmt: skip
+    if place.accelerator == "gpu":
+        record.update(_cuda_provenance())
+    return record
+
+
+def source_digest() -> str:
+    """SHA-256 of the package's and benchmarks' Python sources (identifies the code without git)."""
+    digest = hashlib.sha256()
+    for path in sorted([*ROOT.glob("dplightning/**/*.py"), *ROOT.glob("benchmarks/*.py")]):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def write_outputs(report: dict[str, Any], out_dir: Path) -> None:
+    """The JSON record and the markdown tables, each replaced atomically."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (("gpu_validation.json", json.dumps(report, indent=2) + "\n"),
+                       ("gpu_validation.md", markdown(report))):  # fmt: skip
+        partial = out_dir / f".{name}.partial"
+        partial.write_text(text)
+        os.replace(partial, out_dir / name)
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The run as markdown: provenance, then one table per group, then what was skipped or failed."""
+    p, b = report["provenance"], report["budget"]
+    source = p["dplightning"]
+    lines = [
+        f"# GPU validation ({report['mode']})", "",
+        f"{p.get('gpu', 'CPU: ' + str(p.get('cpu')))}; torch {p['torch']} (CUDA {p['cuda']}), Lightning "
+        f"{p['lightning']}, Opacus {p['opacus']}, transformers {p['transformers']}; precision {p['precision']}; "
+        f"dplightning {source.get('commit') or source.get('commit_given') or 'unknown commit'}"
+        f"{' (uncommitted changes)' if source.get('dirty') else ''}; {p['date']}.", "",
+        f"Budget {b['total_s']:.0f} s, used {b['used_s']:.0f} s; {b['steps']} timed steps per measurement after "
+        f"{b['warmup']} warm-up; command `{report['command']}`"
+        f"{'' if report['complete'] else ' — **incomplete: the run is in progress or was stopped**'}.", "",
+    ]  # fmt: skip
+    lines += ["Models (random weights, built from configs):", ""]
+    lines += [f"* `{m['name']}`: {m['title']}, batch {m['batch']}" for m in report["models"]]
+    lines.append("")
+    rows = report["rows"]
+    for group in dict.fromkeys(r["group"] for r in rows):
+        mine = [r for r in rows if r["group"] == group]
+        lines += [f"## {group}", "", *TABLES.get(group, _generic_table)(mine), ""]
+    trouble = [r for r in rows if r["status"] not in ("ok", "running")]
+    if trouble:
+        lines += ["## Not measured", "", "| row | status | reason |", "|---|---|---|"]
+        lines += [f"| {r['name']} | {r['status']} | {r.get('reason', '')} |" for r in trouble]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _engines_table(rows: list[dict[str, Any]]) -> list[str]:
+    ok = {(r["result"]["model"], r["result"]["runner"]): r["result"] for r in rows if r["status"] == "ok"}
+    out = ["| model | runner | median ms | × non-private | × Opacus hooks | peak MiB | × non-private | status |",
+           "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        model, runner = r["name"].split("/")[1:]
+        res, base, hooks = ok.get((model, runner)), ok.get((model, "nonprivate")), ok.get((model, "opacus_hooks"))
+
+        def ratio(key: str, of: dict[str, Any] | None, res: dict[str, Any] | None = res) -> str:
+            return _fmt(res[key] / of[key], 2) if res and of and of[key] else "—"
+
+        out.append(
+            f"| {model} | {runner} | {_fmt(res and res['median_ms'])} | {ratio('median_ms', base)} | "
+            f"{ratio('median_ms', hooks)} | {_fmt(res and res['peak_mib'], 0)} | {ratio('peak_mib', base)} | "
+            f"{r['status']} |"
+        )
+    return out
+
+
+def _planner_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| model | estimate MiB | measured MiB | error | estimated peak phase | status |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        res = r.get("result") if r["status"] == "ok" else None
+        error = _fmt(res and 100 * res["relative_error"], 1) + " %" if res else "—"
+        out.append(
+            f"| {r['name'].split('/', 1)[1]} | {_fmt(res and res['estimated_peak_mib'], 0)} | "
+            f"{_fmt(res and res['measured_peak_mib'], 0)} | {error} | {res['peak_phase'] if res else '—'} | "
+            f"{r['status']} |"
+        )
+    return out
+
+
+def _generic_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| row | status | seconds | result |", "|---|---|---|---|"]
+    for r in rows:
+        summary = (r.get("result") or {}).get("summary", "")
+        out.append(f"| {r['name']} | {r['status']} | {_fmt(r.get('elapsed_s'))} | {summary} |")
+    return out
+
+
+TABLES: dict[str, Callable[[list[dict[str, Any]]], list[str]]] = {
+    "engines": _engines_table,
+    "planner": _planner_table,
+}
+"""Markdown table of a group's rows; a group without one gets ``_generic_table``."""
+
+
+# ---------------------------------------------------------------- the run
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux ``/proc``), so that the budget counts the imports.
+
+    0 where it cannot be read or looks wrong (over 5 minutes: no import takes that long, and a
+    sandbox's ``/proc`` may report another clock); the budget then counts from here.
+    """
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return age if 0.0 <= age <= 300.0 else 0.0
+
+
+def all_rows(ctx: Context, only: list[str] | None) -> list[Row]:
+    """Every registered group's rows, by priority (stable), filtered by the ``--only`` patterns."""
+    rows = [row for group in GROUPS.values() for row in group(ctx)]
+    names = [r.name for r in rows]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Row names must be unique: {sorted(n for n in set(names) if names.count(n) > 1)}.")
+    if only:
+        rows = [r for r in rows if any(fnmatch.fnmatch(r.name, pattern) for pattern in only)]
+    return sorted(rows, key=lambda r: r.priority)
+
+
+def run(args: argparse.Namespace, started: float) -> dict[str, Any]:
+    """The whole validation: calibration, then every row that fits, the outputs rewritten after each.
+
+    ``started`` is the ``time.monotonic()`` from which ``args.budget_s`` counts.
+    """
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning_fabric", "pytorch_lightning", "dplightning"):  # the run's own lines only
+        logging.getLogger(name).setLevel(logging.WARNING)
+    place = Placement("gpu" if args.device == "cuda" else "cpu", "bf16-mixed")
+    ctx = Context(
+        place=place, small=args.smoke, specs=model_specs(args.smoke), deadline=started + args.budget_s - RESERVE_S,
+        warmup=2 if args.smoke else 3, steps=1, step_range=(1, 2) if args.smoke else (3, 20),
+        invariant_estimate_s=30.0 if args.smoke else 90.0, invariant_limit_s=60.0 if args.smoke else 150.0,
+    )  # fmt: skip
+    report: dict[str, Any] = {
+        "benchmark": "gpu_validation", "mode": "smoke" if args.smoke else "full",
+        "command": args.command, "complete": False,
+        "provenance": provenance(place, args.commit),
+        "budget": {"total_s": args.budget_s, "used_s": 0.0, "before_run_s": round(time.monotonic() - started, 1),
+                   "warmup": ctx.warmup, "steps": ctx.steps},
+        "models": [{"name": s.name, "title": s.title, "kind": s.kind, "batch": s.batch, "tokens": s.tokens,
+                    "config": s.config} for s in ctx.specs],
+        "calibration": ctx.calibration, "rows": [],
+    }  # fmt: skip
+
+    def record(entry: dict[str, Any]) -> None:
+        report["rows"] = [r for r in report["rows"] if r["name"] != entry["name"]] + [entry]
+        report["budget"]["used_s"] = round(time.monotonic() - started, 1)
+        write_outputs(report, args.out_dir)
+        print(f"[{report['budget']['used_s']:6.0f} s] {entry['name']}: {entry['status']} "
+              f"{entry.get('reason', '') or (entry.get('result') or {}).get('summary', '')}", flush=True)  # fmt: skip
+
+    rows = all_rows(ctx, args.only)
+    needed = {part for r in rows for part in r.name.split("/")} if args.only else {s.name for s in ctx.specs}
+    for row in [r for r in calibration_rows(ctx) if r.name.split("/")[1] in needed]:
+        record({"name": row.name, "group": row.group, "status": "running"})
+        record(run_row(row, ctx, min(ctx.left(), CALIBRATION_LIMIT_S)))
+    ctx.steps = choose_steps([r for r in rows if r.scales], ctx, ctx.left() - sum(
+        r.estimate(ctx, 0) for r in rows if not r.scales))  # fmt: skip
+    report["budget"]["steps"] = ctx.steps
+    for row in rows:
+        estimate = row.estimate(ctx, ctx.steps)
+        reason = skip_reason(estimate, ctx.left())
+        if reason is not None:
+            record({"name": row.name, "group": row.group, "status": "skipped", "reason": reason,
+                    "budget_s": round(estimate, 1)})  # fmt: skip
+            continue
+        record({"name": row.name, "group": row.group, "status": "running", "budget_s": round(estimate, 1)})
+        limit = min(ctx.left(), max(3 * estimate, estimate + 60))
+        record({**run_row(row, ctx, limit), "budget_s": round(estimate, 1)})
+    report["complete"] = True
+    report["budget"]["used_s"] = round(time.monotonic() - started, 1)
+    write_outputs(report, args.out_dir)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    # A script's budget counts its imports too; a call from Python (the tests) counts from here.
+    started = time.monotonic() - (process_age_s() if argv is None else 0.0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, CPU by default: every code path in < 1 min")
+    parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda, or cpu with --smoke")
+    parser.add_argument("--budget-s", type=float, help=f"whole run, imports included (default {FULL_BUDGET_S:.0f})")
+    parser.add_argument("--out-dir", type=Path, help="default outputs/benchmarks/gpu_validation[_smoke]/")
+    parser.add_argument("--only", nargs="+", help="run only the rows matching these glob patterns (and calibration)")
+    parser.add_argument("--commit", help="the git commit measured, recorded when the copy has no .git")
+    args = parser.parse_args(argv)
+    args.command = command_line(sys.argv[1:] if argv is None else argv)
+    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    args.budget_s = args.budget_s or (300.0 if args.smoke else FULL_BUDGET_S)
+    if args.out_dir is None:  # the committed record changes only when a command names benchmarks/results
+        args.out_dir = default_result("gpu_validation_smoke" if args.smoke else "gpu_validation")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here; run with --smoke (CPU, tiny sizes) or --device cpu")
+    report = run(args, started)
+    print(f"wrote {args.out_dir / 'gpu_validation.json'} and gpu_validation.md", flush=True)
+    failed = [r["name"] for r in report["rows"] if r["status"] in ("failed", "timed_out")]
+    if failed:
+        print(f"failed rows: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
