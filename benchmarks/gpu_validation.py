@@ -800,9 +800,27 @@ def run(args: argparse.Namespace, started: float) -> dict[str, Any]:
 
     ``started`` is the ``time.monotonic()`` from which ``args.budget_s`` counts.
     """
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning_fabric", "pytorch_lightning", "dplightning"):  # the run's own lines only
-        logging.getLogger(name).setLevel(logging.WARNING)
+    with _quiet():
+        return _run(args, started)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """The run's own lines only: library warnings and info logs off, and back as they were afterwards."""
+    names = ("lightning", "lightning_fabric", "pytorch_lightning", "dplightning")
+    levels = {name: logging.getLogger(name).level for name in names}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        for name in names:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+
+
+def _run(args: argparse.Namespace, started: float) -> dict[str, Any]:
     place = Placement("gpu" if args.device == "cuda" else "cpu", "bf16-mixed")
     ctx = Context(
         place=place, small=args.smoke, specs=model_specs(args.smoke), deadline=started + args.budget_s - RESERVE_S,
