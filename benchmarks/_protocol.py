@@ -1,0 +1,447 @@
+"""The comparison protocol every method benchmark uses: tuned arms, paired seeds, pre-registered claims.
+
+An experiment compares *arms* (e.g. DP-Adam and DP-Muon), each a callable
+``run(hparams, seed, split) -> metric`` with a hyperparameter grid fixed before any run:
+
+1. **Selection.** Every grid point of every arm runs on ``split="val"`` (rows carved from
+   the *training* data, see :func:`validation_split`) for each tuning seed; each arm keeps the
+   grid point with the best mean over the tuning seeds. The test split is never passed here.
+2. **Final runs.** The pre-registered criteria are stored in the record before the first
+   final run; then every arm runs at its selected hyperparameters on ``split="test"`` for the
+   same ``>= 5`` final seeds. Runs are *paired*: seed ``s`` must give every arm the same Poisson
+   sampling and noise seeds (fine for public benchmark data; the outputs say so), so the
+   per-seed differences cancel the shared randomness.
+3. **Results.** Per arm mean ± sd; per pair of arms the paired differences with a 90 %
+   t-interval. A verdict says "A beats B" only when the lower 90 % bound of the improvement
+   of A over B is above 0, else "not shown at this scale" with the interval.
+
+Outputs per experiment (default folders from ``_outputs.py``): ``NAME.json`` (every run, the
+split each number came from, provenance, criteria and verdicts), ``NAME.md`` (tables) and
+``NAME.png`` (per-seed points per arm; paired differences with their intervals). The JSON is
+rewritten after every run; rerunning the same experiment resumes, skipping recorded runs. A
+record made with other settings (arms, grids, seeds, metric, ``settings``) is refused, and so
+is a change of the criteria once the final runs have started.
+
+Example (runs in a second; a real arm trains a model)::
+
+    import random
+    from _protocol import Arm, Criterion, Experiment, run_experiment
+
+    def noisy(offset):
+        def run(hparams, seed, split):
+            rng = random.Random(seed)  # the same seed for every arm: paired
+            return {"accuracy": 0.7 + offset - (hparams["lr"] - 0.01) ** 2 + rng.gauss(0, 0.02)}
+        return run
+
+    grid = [{"lr": 0.005}, {"lr": 0.01}, {"lr": 0.02}]
+    experiment = Experiment(
+        name="demo", metric="accuracy",
+        arms=[Arm("A", noisy(0.1), grid), Arm("B", noisy(0.0), grid)],
+        criteria=[Criterion("A", "B")],
+    )
+    result = run_experiment(experiment)  # writes outputs/benchmarks/demo.{json,md}, outputs/figures/demo.png
+    print(result["criteria"][0]["verdict"])  # "A beats B: ..."
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+from _harness import environment
+from _outputs import default_figures, default_result
+from scipy import stats
+
+LEVEL = 0.90  # two-sided level of every paired interval; its lower bound decides a claim
+MIN_FINAL_SEEDS = 5
+SELECT, FINAL = "select", "final"
+VAL, TEST = "val", "test"
+PAIRING = (
+    "Final runs are paired: seed s gives every arm the same Poisson sampling and noise seeds "
+    "(fine for public benchmark data), and differences are taken per seed."
+)
+
+Metric = float | Mapping[str, float]
+RunFn = Callable[[Mapping[str, Any], int, str], Metric]
+
+
+class ProtocolError(ValueError):
+    """An experiment that the protocol refuses to run or resume."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One contender: its run callable and its pre-registered hyperparameter grid.
+
+    Args:
+        name: Label in the outputs.
+        run: ``run(hparams, seed, split)`` trains once and returns the metric (a float) or
+            several metrics (a mapping holding the experiment's ``metric``). With ``split="val"``
+            it must evaluate on rows carved from the training data and never read the test
+            split; with ``split="test"`` on the test split. ``seed`` must fix the Poisson
+            sampling and the noise, identically for every arm.
+        grid: Hyperparameter points (JSON-serialisable mappings), fixed before any run.
+    """
+
+    name: str
+    run: RunFn
+    grid: Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """A claim written before the final runs: ``better`` beats ``worse`` on the experiment's metric.
+
+    It passes when the lower 90 % paired bound of the improvement of ``better`` over ``worse``
+    (``better - worse``, or ``worse - better`` for a metric where lower is better) is above 0.
+    """
+
+    better: str
+    worse: str
+
+    def text(self, metric: str, higher_is_better: bool) -> str:
+        """The claim in words, as it is stored before the final runs."""
+        diff = f"{self.better} - {self.worse}" if higher_is_better else f"{self.worse} - {self.better}"
+        return (
+            f"{self.better} beats {self.worse} on {metric} if the lower {LEVEL:.0%} paired t-bound "
+            f"of ({diff}) over the final seeds is above 0"
+        )
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """Arms, grids, seeds and criteria of one comparison.
+
+    Args:
+        name: Names the output files; a rerun with the same name resumes.
+        arms: The contenders (distinct names).
+        criteria: Pre-registered claims (see :class:`Criterion`).
+        metric: The metric that selects hyperparameters and that the differences compare.
+        higher_is_better: Direction of ``metric`` (False for a loss).
+        tuning_seeds: Seeds of the selection runs (mean over them per grid point).
+        final_seeds: Paired seeds of the final runs, at least 5.
+        settings: Anything else the results depend on (data sizes, ε, steps); part of the
+            record's identity, so a changed setting cannot resume an old record.
+    """
+
+    name: str
+    arms: Sequence[Arm]
+    criteria: Sequence[Criterion]
+    metric: str = "metric"
+    higher_is_better: bool = True
+    tuning_seeds: Sequence[int] = (100,)
+    final_seeds: Sequence[int] = (0, 1, 2, 3, 4)
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [arm.name for arm in self.arms]
+        if len(names) < 2 or len(set(names)) != len(names):
+            raise ProtocolError(f"an experiment needs at least two arms with distinct names, got {names}")
+        if len(set(self.final_seeds)) < MIN_FINAL_SEEDS:
+            raise ProtocolError(f"final runs need >= {MIN_FINAL_SEEDS} distinct paired seeds, got {self.final_seeds}")
+        if not self.tuning_seeds:
+            raise ProtocolError("selection needs at least one tuning seed")
+        for arm in self.arms:
+            if not arm.grid:
+                raise ProtocolError(f"arm {arm.name!r} has an empty grid")
+        for c in self.criteria:
+            if c.better not in names or c.worse not in names or c.better == c.worse:
+                raise ProtocolError(f"criterion {c} must name two different arms of {names}")
+
+    def identity(self) -> dict[str, Any]:
+        """What a record must match to be resumed (the criteria are checked separately)."""
+        return json.loads(json.dumps({
+            "name": self.name, "metric": self.metric, "higher_is_better": self.higher_is_better,
+            "arms": {arm.name: [dict(hp) for hp in arm.grid] for arm in self.arms},
+            "tuning_seeds": list(self.tuning_seeds), "final_seeds": list(self.final_seeds),
+            "settings": dict(self.settings),
+        }, sort_keys=True))  # fmt: skip
+
+    def criteria_record(self) -> list[dict[str, str]]:
+        """The criteria as stored at the start of the final runs."""
+        return [
+            {"better": c.better, "worse": c.worse, "text": c.text(self.metric, self.higher_is_better)}
+            for c in self.criteria
+        ]
+
+
+def validation_split(n_train: int, fraction: float = 0.1, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Carve a validation split from the training rows: (train indices, validation indices).
+
+    The carve seed is fixed per experiment (not the run seed), so every arm and every tuning
+    seed is selected on the same rows.
+    """
+    if not 0 < fraction < 1 or n_train < 2:
+        raise ProtocolError(f"cannot carve a fraction {fraction} of {n_train} training rows")
+    order = list(range(n_train))
+    random.Random(seed).shuffle(order)
+    n_val = max(1, round(fraction * n_train))
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def paired_interval(diffs: Sequence[float], level: float = LEVEL) -> dict[str, Any]:
+    """Mean, sd and two-sided t-interval of paired differences (n - 1 degrees of freedom)."""
+    n = len(diffs)
+    mean = statistics.fmean(diffs)
+    sd = statistics.stdev(diffs) if n > 1 else math.nan
+    half = stats.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n) if n > 1 else math.nan
+    return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half, "level": level}
+
+
+def verdict(a: str, b: str, interval: Mapping[str, float], higher_is_better: bool) -> str:
+    """The wording rule: a claim only when the interval of (a - b) excludes 0; otherwise the interval."""
+    lo, hi = interval["low"], interval["high"]
+    a_better = lo > 0 if higher_is_better else hi < 0
+    b_better = hi < 0 if higher_is_better else lo > 0
+    span = f"{LEVEL:.0%} paired interval of {a} - {b}: [{lo:+.4g}, {hi:+.4g}], n = {interval['n']}"
+    if a_better:
+        return f"{a} beats {b} ({span})"
+    if b_better:
+        return f"{b} beats {a} ({span})"
+    return f"not shown at this scale ({span})"
+
+
+def run_experiment(
+    experiment: Experiment, out: Path | None = None, figures: Path | None = None, threads: int | None = None
+) -> dict[str, Any]:
+    """Run (or resume) an experiment and write its JSON, markdown table and figure.
+
+    Args:
+        experiment: The comparison.
+        out: The JSON path; the markdown goes next to it. Default ``_outputs.default_result``.
+        figures: The figure folder. Default ``_outputs.default_figures``.
+        threads: Recorded in the provenance (default: torch's thread count).
+
+    Returns:
+        The record as written to the JSON.
+
+    Raises:
+        ProtocolError: The record at ``out`` has other settings, or other criteria once its
+            final runs have started, or a run returned no ``metric``.
+    """
+    out = out or default_result(f"{experiment.name}.json")
+    record = _load_or_start(experiment, out, threads)
+    done = {_key(r["phase"], r["arm"], r["hparams"], r["seed"]): r for r in record["runs"]}
+
+    def run_once(arm: Arm, phase: str, hparams: Mapping[str, Any], seed: int) -> dict[str, float]:
+        key = _key(phase, arm.name, hparams, seed)
+        if key not in done:
+            done[key] = _timed_run(experiment, arm, phase, hparams, seed)
+            record["runs"].append(done[key])
+            _write_json(out, record)
+        return done[key]["metrics"]
+
+    record["selection"] = _select(experiment, run_once)
+    _start_final(experiment, record, out)
+    for seed in experiment.final_seeds:  # seed-major, so a crash leaves complete pairs behind
+        for arm in experiment.arms:
+            run_once(arm, FINAL, record["selection"][arm.name]["hparams"], seed)
+    record.update(_results(experiment, record))
+    record["status"] = "complete"
+    _write_json(out, record)
+    _write_markdown(out.with_suffix(".md"), record)
+    _write_figure((figures or default_figures()) / f"{experiment.name}.png", record)
+    return record
+
+
+def _key(phase: str, arm: str, hparams: Mapping[str, Any], seed: int) -> str:
+    return json.dumps([phase, arm, dict(hparams), seed], sort_keys=True)
+
+
+def _load_or_start(experiment: Experiment, out: Path, threads: int | None) -> dict[str, Any]:
+    identity = experiment.identity()
+    if out.exists():
+        record = json.loads(out.read_text())
+        if record.get("identity") != identity:
+            raise ProtocolError(
+                f"{out} records experiment {record.get('identity')}, not {identity}: "
+                "give the changed experiment a new name (or move the old record away)"
+            )
+        return record
+    import torch  # only for the thread count in the provenance
+
+    return {
+        "experiment": experiment.name, "identity": identity,
+        "digest": hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16],
+        "command": " ".join(["python", *sys.argv]),
+        "environment": environment(threads or torch.get_num_threads()),
+        "criteria_registered": experiment.criteria_record(), "pairing": PAIRING,
+        "status": "selection", "runs": [],
+    }  # fmt: skip
+
+
+def _timed_run(experiment: Experiment, arm: Arm, phase: str, hparams: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    split = VAL if phase == SELECT else TEST
+    start = time.perf_counter()
+    value = arm.run(hparams, seed, split)
+    seconds = time.perf_counter() - start
+    metrics = {experiment.metric: float(value)} if isinstance(value, int | float) else dict(value)
+    if experiment.metric not in metrics:
+        raise ProtocolError(f"arm {arm.name!r} returned {sorted(metrics)}, without the metric {experiment.metric!r}")
+    metrics = {k: float(v) for k, v in metrics.items()}
+    print(
+        f"[{experiment.name}] {phase} arm={arm.name} hparams={json.dumps(dict(hparams), sort_keys=True)} "
+        f"seed={seed} split={split} {experiment.metric}={metrics[experiment.metric]:.4f} {seconds:.1f}s",
+        flush=True,
+    )
+    return {"phase": phase, "arm": arm.name, "hparams": dict(hparams), "seed": seed, "split": split,
+            "metrics": metrics, "seconds": seconds}  # fmt: skip
+
+
+def _select(experiment: Experiment, run_once: Callable[..., dict[str, float]]) -> dict[str, Any]:
+    """Each arm's grid on the validation split; the best mean over the tuning seeds wins (NaN loses)."""
+    selection = {}
+    sign = 1.0 if experiment.higher_is_better else -1.0
+    for arm in experiment.arms:
+        scores = []
+        for hparams in arm.grid:
+            values = [run_once(arm, SELECT, hparams, seed)[experiment.metric] for seed in experiment.tuning_seeds]
+            scores.append({"hparams": dict(hparams), "val_mean": statistics.fmean(values), "split": VAL})
+        best = max(scores, key=lambda s: -math.inf if math.isnan(s["val_mean"]) else sign * s["val_mean"])
+        selection[arm.name] = {"hparams": best["hparams"], "val_mean": best["val_mean"], "grid": scores}
+    return selection
+
+
+def _start_final(experiment: Experiment, record: dict[str, Any], out: Path) -> None:
+    """Store the criteria with the start of the final runs; on resume, refuse changed criteria."""
+    criteria = experiment.criteria_record()
+    started = record.get("final_started")
+    if started is None:
+        record["final_started"] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "criteria": criteria}
+        record["status"] = "final"
+        _write_json(out, record)
+    elif started["criteria"] != criteria:
+        raise ProtocolError(
+            f"the criteria changed after the final runs started: registered {started['criteria']}, now {criteria}"
+        )
+
+
+def _results(experiment: Experiment, record: dict[str, Any]) -> dict[str, Any]:
+    final = {(r["arm"], r["seed"]): r["metrics"] for r in record["runs"] if r["phase"] == FINAL}
+    seeds, metric = list(experiment.final_seeds), experiment.metric
+    arms = {}
+    for arm in experiment.arms:
+        per_seed = [final[arm.name, s] for s in seeds]
+        arms[arm.name] = {
+            "hparams": record["selection"][arm.name]["hparams"],
+            "metrics": {k: _mean_sd([m[k] for m in per_seed]) for k in per_seed[0]},
+            "per_seed": {str(s): m[metric] for s, m in zip(seeds, per_seed)},
+        }
+    pairs = []
+    for a, b in combinations([arm.name for arm in experiment.arms], 2):
+        diffs = [final[a, s][metric] - final[b, s][metric] for s in seeds]
+        interval = paired_interval(diffs)
+        pairs.append({"a": a, "b": b, "diffs": diffs, **interval,
+                      "verdict": verdict(a, b, interval, experiment.higher_is_better)})  # fmt: skip
+    by_pair = {(p["a"], p["b"]): p for p in pairs}
+    criteria = []
+    for c, registered in zip(experiment.criteria, record["final_started"]["criteria"]):
+        diff = _oriented(by_pair.get((c.better, c.worse)) or by_pair[c.worse, c.better], c.better)
+        bound = diff["low"] if experiment.higher_is_better else -diff["high"]  # lower bound of the improvement
+        text = verdict(c.better, c.worse, diff, experiment.higher_is_better)
+        criteria.append({**registered, "lower_bound": bound, "passed": bool(bound > 0), "verdict": text})
+    return {"arms": arms, "pairs": pairs, "criteria": criteria}
+
+
+def _oriented(pair: Mapping[str, Any], first: str) -> dict[str, Any]:
+    """The interval of (first - other) from a pair stored either way round."""
+    if pair["a"] == first:
+        return dict(pair)
+    return {**pair, "mean": -pair["mean"], "low": -pair["high"], "high": -pair["low"]}
+
+
+def _mean_sd(values: Sequence[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else math.nan}
+
+
+def _write_json(path: Path, record: Mapping[str, Any]) -> None:
+    """Write atomically (a crash mid-write leaves the previous record, never half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _hp(hparams: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in hparams.items()) or "-"
+
+
+def _write_markdown(path: Path, record: Mapping[str, Any]) -> None:
+    identity, metric = record["identity"], record["identity"]["metric"]
+    seeds = identity["final_seeds"]
+    env = record["environment"]
+    lines = [
+        f"# {record['experiment']}: {metric} ({'higher' if identity['higher_is_better'] else 'lower'} is better)", "",
+        f"Command: `{record['command']}`; commit {env['dplightning']['commit'] or 'unknown'}"
+        f"{' (uncommitted changes)' if env['dplightning']['dirty'] else ''}; {env['cpu']}, {env['threads']} threads.",
+        "", PAIRING, "",
+        "Pre-registered criteria (stored before the final runs):", "",
+        *[f"- {c['text']}: **{'passed' if c['passed'] else 'not passed'}**; {c['verdict']}"
+          for c in record["criteria"]],
+        "", f"## Final runs (test split, selected hyperparameters, {len(seeds)} paired seeds)", "",
+        f"| arm | hyperparameters | {metric} mean ± sd | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+        "|---|---|---|" + "---|" * len(seeds),
+    ]  # fmt: skip
+    for name, arm in record["arms"].items():
+        m = arm["metrics"][metric]
+        cells = " | ".join(f"{arm['per_seed'][str(s)]:.4f}" for s in seeds)
+        lines.append(f"| {name} | {_hp(arm['hparams'])} | {m['mean']:.4f} ± {m['sd']:.4f} | {cells} |")
+    lines += ["", f"## Paired differences ({LEVEL:.0%} t-intervals)", "",
+              "| A - B | mean | sd | interval | verdict |", "|---|---|---|---|---|"]  # fmt: skip
+    for p in record["pairs"]:
+        lines.append(f"| {p['a']} - {p['b']} | {p['mean']:+.4f} | {p['sd']:.4f} | "
+                     f"[{p['low']:+.4f}, {p['high']:+.4f}] | {p['verdict']} |")  # fmt: skip
+    lines += ["", "## Selection (validation split carved from the training data; mean over tuning seeds "
+              f"{identity['tuning_seeds']})", "",
+              f"| arm | hyperparameters | val {metric} | selected |", "|---|---|---|---|"]  # fmt: skip
+    for name, sel in record["selection"].items():
+        for s in sel["grid"]:
+            chosen = "yes" if s["hparams"] == sel["hparams"] else ""
+            lines.append(f"| {name} | {_hp(s['hparams'])} | {s['val_mean']:.4f} | {chosen} |")
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
+def _write_figure(path: Path, record: Mapping[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric, seeds = record["identity"]["metric"], record["identity"]["final_seeds"]
+    names, pairs = list(record["arms"]), record["pairs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 2.5 + 0.45 * max(len(names), len(pairs))))
+    for s in seeds:  # one line per seed joins the paired points
+        left.plot(range(len(names)), [record["arms"][n]["per_seed"][str(s)] for n in names], "o-", alpha=0.6,
+                  label=f"seed {s}")  # fmt: skip
+    means = [record["arms"][n]["metrics"][metric]["mean"] for n in names]
+    left.plot(range(len(names)), means, "k_", markersize=24, label="mean")
+    left.set_xticks(range(len(names)), names, rotation=20)
+    left.set_ylabel(f"test {metric}")
+    left.set_title("final runs per paired seed")
+    left.legend(fontsize=7)
+    y = range(len(pairs))
+    mean = [p["mean"] for p in pairs]
+    err = [[p["mean"] - p["low"] for p in pairs], [p["high"] - p["mean"] for p in pairs]]
+    right.errorbar(mean, y, xerr=err, fmt="o", capsize=4)
+    right.axvline(0, color="grey", linestyle="--")
+    right.set_yticks(list(y), [f"{p['a']} - {p['b']}" for p in pairs])
+    right.set_xlabel(f"paired difference of {metric} ({LEVEL:.0%} t-interval)")
+    right.set_title("paired differences")
+    fig.suptitle(record["experiment"])
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")

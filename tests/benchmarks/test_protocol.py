@@ -1,0 +1,180 @@
+"""benchmarks/_protocol.py: verdicts on arms with known differences, splits, resuming, pre-registration."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import statistics
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[2]
+GRID = [{"lr": 0.005}, {"lr": 0.01}, {"lr": 0.02}]
+
+
+@pytest.fixture
+def proto(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The module (the benchmarks import each other by their file names)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("_protocol")
+
+
+def arm_fn(offset: float, noise: float, calls: list[tuple[str, float, int, str]], name: str) -> Callable[..., Any]:
+    """A synthetic arm: a per-seed shared draw (paired) + offset + its own small noise; best at lr = 0.01."""
+
+    def run(hparams: Mapping[str, Any], seed: int, split: str) -> dict[str, float]:
+        calls.append((name, hparams["lr"], seed, split))
+        shared = random.Random(seed).gauss(0, 0.05)  # the same for every arm at this seed
+        own = random.Random(f"{name}-{seed}-{split}").gauss(0, noise)
+        penalty = 100 * (hparams["lr"] - 0.01) ** 2
+        return {"accuracy": 0.7 + offset + shared + own - penalty, "loss": 1.0 - offset}
+
+    return run
+
+
+def experiment(proto: ModuleType, offset: float, calls: list, name: str = "t", **kw: Any) -> Any:
+    arms = [proto.Arm("A", arm_fn(offset, 0.01, calls, "A"), GRID), proto.Arm("B", arm_fn(0.0, 0.01, calls, "B"), GRID)]
+    return proto.Experiment(name=name, arms=arms, metric="accuracy", criteria=[proto.Criterion("A", "B")], **kw)
+
+
+def run(proto: ModuleType, exp: Any, tmp_path: Path) -> dict[str, Any]:
+    return proto.run_experiment(exp, out=tmp_path / f"{exp.name}.json", figures=tmp_path / "fig")
+
+
+def test_known_difference_is_claimed_and_covered(proto: ModuleType, tmp_path: Path) -> None:
+    result = run(proto, experiment(proto, 0.1, []), tmp_path)
+    (pair,) = result["pairs"]
+    assert pair["low"] > 0 and pair["low"] < 0.1 < pair["high"]
+    assert pair["verdict"].startswith("A beats B")
+    (criterion,) = result["criteria"]
+    assert criterion["passed"] and criterion["verdict"].startswith("A beats B")
+    assert {arm["hparams"]["lr"] for arm in result["arms"].values()} == {0.01}  # selection found the optimum
+    assert (tmp_path / "t.md").read_text().count("A beats B") >= 2
+    assert (tmp_path / "fig" / "t.png").stat().st_size > 0
+    assert result["pairing"] == proto.PAIRING and "paired" in (tmp_path / "t.md").read_text()
+    assert result["environment"]["dplightning"]["commit"] is not None and result["command"].startswith("python")
+
+
+def test_equal_arms_are_not_claimed(proto: ModuleType, tmp_path: Path) -> None:
+    result = run(proto, experiment(proto, 0.0, []), tmp_path)
+    (pair,) = result["pairs"]
+    assert pair["low"] < 0 < pair["high"]
+    assert pair["verdict"].startswith("not shown at this scale") and "beats" not in pair["verdict"]
+    assert not result["criteria"][0]["passed"]
+
+
+def test_lower_is_better_metric_flips_the_claim(proto: ModuleType, tmp_path: Path) -> None:
+    """On a loss, the arm with the lower values is the one that beats the other."""
+    exp = experiment(proto, 0.1, [], name="loss")
+    exp = proto.Experiment(name="loss", arms=exp.arms, metric="loss", higher_is_better=False,
+                           criteria=[proto.Criterion("B", "A")])  # fmt: skip
+    result = run(proto, exp, tmp_path)
+    assert result["pairs"][0]["verdict"].startswith("A beats B")  # A's loss is 0.1 lower
+    assert not result["criteria"][0]["passed"] and result["criteria"][0]["verdict"].startswith("A beats B")
+
+
+def test_selection_never_sees_the_test_split(proto: ModuleType, tmp_path: Path) -> None:
+    calls: list[tuple[str, float, int, str]] = []
+    exp = experiment(proto, 0.1, calls, tuning_seeds=(100, 101))
+    result = run(proto, exp, tmp_path)
+    first_test = next(i for i, c in enumerate(calls) if c[3] == "test")
+    selection, final = calls[:first_test], calls[first_test:]
+    assert len(selection) == 2 * len(GRID) * 2 and {c[3] for c in selection} == {"val"}
+    assert {c[3] for c in final} == {"test"} and {c[1] for c in final} == {0.01}
+    assert sorted(c[2] for c in final) == sorted(2 * list(exp.final_seeds))
+    for r in result["runs"]:
+        assert r["split"] == ("val" if r["phase"] == "select" else "test")
+
+
+def test_interval_matches_scipy_on_the_listed_runs(proto: ModuleType, tmp_path: Path) -> None:
+    result = run(proto, experiment(proto, 0.1, [], final_seeds=range(7)), tmp_path)
+    final = {(r["arm"], r["seed"]): r["metrics"]["accuracy"] for r in result["runs"] if r["phase"] == "final"}
+    diffs = [final["A", s] - final["B", s] for s in range(7)]
+    (pair,) = result["pairs"]
+    assert pair["diffs"] == pytest.approx(diffs, abs=0)
+    low, high = stats.t.interval(0.90, len(diffs) - 1, loc=statistics.fmean(diffs), scale=stats.sem(diffs))
+    assert (pair["low"], pair["high"]) == pytest.approx((low, high), rel=1e-12)
+    for name in ("A", "B"):
+        values = [final[name, s] for s in range(7)]
+        stored = result["arms"][name]["metrics"]["accuracy"]
+        assert (stored["mean"], stored["sd"]) == pytest.approx((statistics.fmean(values), statistics.stdev(values)))
+
+
+def crashing(fn: Callable[..., Any], after: int) -> Callable[..., Any]:
+    """``fn`` that raises on its call number ``after + 1`` (a crashed run)."""
+    count = [0]
+
+    def run(*args: Any) -> Any:
+        count[0] += 1
+        if count[0] > after:
+            raise RuntimeError("crash")
+        return fn(*args)
+
+    return run
+
+
+def with_arm_a(proto: ModuleType, exp: Any, fn: Callable[..., Any], **kw: Any) -> Any:
+    arms = [proto.Arm("A", fn, GRID), exp.arms[1]]
+    return proto.Experiment(name=exp.name, arms=arms, metric=exp.metric, criteria=kw.get("criteria", exp.criteria))
+
+
+def test_a_crashed_experiment_resumes_without_recomputing(proto: ModuleType, tmp_path: Path) -> None:
+    calls: list[tuple[str, float, int, str]] = []
+    exp = experiment(proto, 0.1, calls)
+    reference = run(proto, experiment(proto, 0.1, [], name="t"), tmp_path / "ref")
+    crashed = with_arm_a(proto, exp, crashing(exp.arms[0].run, after=len(GRID) + 2))  # crash in the final runs
+    with pytest.raises(RuntimeError, match="crash"):
+        run(proto, crashed, tmp_path)
+    recorded = json.loads((tmp_path / "t.json").read_text())["runs"]
+    assert len(recorded) == len(calls) and any(r["phase"] == "final" for r in recorded)  # all completed runs kept
+    calls.clear()
+    result = run(proto, exp, tmp_path)
+    total = 2 * len(GRID) + 2 * 5
+    assert len(calls) == total - len(recorded)  # only the missing runs ran
+    assert len(result["runs"]) == total and result["pairs"][0]["diffs"] == reference["pairs"][0]["diffs"]
+    calls.clear()
+    run(proto, exp, tmp_path)
+    assert calls == []  # a complete record reruns nothing
+
+
+def test_criteria_cannot_change_once_final_runs_started(proto: ModuleType, tmp_path: Path) -> None:
+    exp = experiment(proto, 0.1, [])
+    with pytest.raises(RuntimeError, match="crash"):
+        run(proto, with_arm_a(proto, exp, crashing(exp.arms[0].run, after=len(GRID) + 1)), tmp_path)
+    assert json.loads((tmp_path / "t.json").read_text())["final_started"]["criteria"][0]["better"] == "A"
+    changed = with_arm_a(proto, exp, exp.arms[0].run, criteria=[proto.Criterion("B", "A")])
+    with pytest.raises(proto.ProtocolError, match="criteria changed"):
+        run(proto, changed, tmp_path)
+
+
+def test_criteria_may_change_during_selection(proto: ModuleType, tmp_path: Path) -> None:
+    exp = experiment(proto, 0.1, [])
+    with pytest.raises(RuntimeError, match="crash"):
+        run(proto, with_arm_a(proto, exp, crashing(exp.arms[0].run, after=1)), tmp_path)
+    assert "final_started" not in json.loads((tmp_path / "t.json").read_text())
+    result = run(proto, with_arm_a(proto, exp, exp.arms[0].run, criteria=[proto.Criterion("B", "A")]), tmp_path)
+    assert result["final_started"]["criteria"][0]["better"] == "B" and not result["criteria"][0]["passed"]
+
+
+def test_a_record_with_other_settings_is_refused(proto: ModuleType, tmp_path: Path) -> None:
+    run(proto, experiment(proto, 0.1, []), tmp_path)
+    with pytest.raises(proto.ProtocolError, match="new name"):
+        run(proto, experiment(proto, 0.1, [], settings={"epsilon": 8}), tmp_path)
+
+
+@pytest.mark.parametrize("kw", [{"final_seeds": (0, 1, 2, 3)}, {"final_seeds": (0, 0, 1, 2, 3)}, {"tuning_seeds": ()}])
+def test_too_few_seeds_are_refused(proto: ModuleType, kw: dict[str, Any]) -> None:
+    with pytest.raises(proto.ProtocolError):
+        experiment(proto, 0.1, [], **kw)
+
+
+def test_validation_split_is_carved_from_train(proto: ModuleType) -> None:
+    train, val = proto.validation_split(100, 0.2, seed=3)
+    assert len(val) == 20 and sorted(train + val) == list(range(100))
+    assert proto.validation_split(100, 0.2, seed=3) == (train, val)
