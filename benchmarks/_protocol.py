@@ -30,7 +30,7 @@ Example (runs in a second; a real arm trains a model)::
     def noisy(offset):
         def run(hparams, seed, split):
             rng = random.Random(seed)  # the same seed for every arm: paired
-            return {"accuracy": 0.7 + offset - (hparams["lr"] - 0.01) ** 2 + rng.gauss(0, 0.02)}
+            return {"accuracy": 0.7 + offset - 100 * (hparams["lr"] - 0.01) ** 2 + rng.gauss(0, 0.02)}
         return run
 
     grid = [{"lr": 0.005}, {"lr": 0.01}, {"lr": 0.02}]
