@@ -178,3 +178,22 @@ def test_validation_split_is_carved_from_train(proto: ModuleType) -> None:
     train, val = proto.validation_split(100, 0.2, seed=3)
     assert len(val) == 20 and sorted(train + val) == list(range(100))
     assert proto.validation_split(100, 0.2, seed=3) == (train, val)
+
+
+def test_a_diverged_grid_point_is_never_selected(proto: ModuleType, tmp_path: Path) -> None:
+    """A run that diverges (NaN) loses the selection, also as the first grid point."""
+    calls: list[tuple[str, float, int, str]] = []
+    base = arm_fn(0.1, 0.01, calls, "A")
+
+    def run_a(hparams: Mapping[str, Any], seed: int, split: str) -> dict[str, float]:
+        return {"accuracy": float("nan")} if hparams["lr"] == 0.005 else base(hparams, seed, split)
+
+    exp = with_arm_a(proto, experiment(proto, 0.1, calls), run_a)
+    result = run(proto, exp, tmp_path)
+    assert result["arms"]["A"]["hparams"] == {"lr": 0.01} and result["criteria"][0]["passed"]
+
+
+def test_a_run_without_the_metric_is_refused(proto: ModuleType, tmp_path: Path) -> None:
+    exp = with_arm_a(proto, experiment(proto, 0.1, []), lambda hparams, seed, split: {"loss": 1.0})
+    with pytest.raises(proto.ProtocolError, match="without the metric 'accuracy'"):
+        run(proto, exp, tmp_path)
