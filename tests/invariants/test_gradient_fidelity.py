@@ -284,12 +284,9 @@ def test_weight_used_outside_its_module_is_refused_with_its_name() -> None:
             return F.linear(h, self.emb.weight)[:, :3]  # the embedding used as the head, outside its module
 
     ids = torch.randint(0, 9, (N, 5), generator=torch.Generator().manual_seed(1))
-    module = Net(TiedHead())
-    before = params_of(module)
-    with pytest.raises(RuntimeError, match=r"net\.emb\.weight.*bypasses the per-example hooks"):
-        _one_step(module, _data(ids), dp(max_grad_norm=NO_CLIP))
-    for name, p in module.named_parameters():
-        assert torch.equal(p, before[name]), name  # refused before any update
+    assert_refused_before_any_update(
+        Net(TiedHead()), _data(ids), RuntimeError, r"net\.emb\.weight.*bypasses the per-example hooks"
+    )
 
 
 def test_penalty_on_a_weight_in_training_step_is_refused() -> None:
