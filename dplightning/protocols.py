@@ -19,7 +19,7 @@ the ledger already counts the step. Under DDP each rank only sees its own exampl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -169,6 +169,19 @@ class DPPlanned(Protocol):
 
     def dp_release(self, release: DPRelease) -> None:
         """Receive the step's release; called inside ``optimizer.step`` before the update."""
+        ...
+
+
+@runtime_checkable
+class ReportsMetrics(Protocol):
+    """An optimizer with public per-step diagnostics, which the DP strategies log after every step.
+
+    The values must be post-processing of the release (functions of the noisy update and of
+    public settings), never of the raw batch: they are logged without the ``nonprivate/`` label.
+    """
+
+    def dp_metrics(self) -> Mapping[str, float]:
+        """Name → value after the last step (an empty mapping logs nothing)."""
         ...
 
 

@@ -7,6 +7,9 @@ per step) and pushes the noisy mean with its noise std; momentum, Newton–Schul
 AdamW step are post-processing of that release. ``bias_correction=True`` is DP-MuonBC
 (:mod:`dplightning.optim.bias_correction`). Spec: ``dp_muon.md``; Muon reference:
 KellerJordan/Muon.
+
+Two control arms separate the clip plan from the update rule: ``clip_split="flat"`` (Muon's
+update under flat clipping) and ``matrix_update="adamw"`` (AdamW under Muon's per-matrix plan).
 """
 
 from __future__ import annotations
@@ -22,16 +25,34 @@ from dplightning.optim._adam import adam_direction
 from dplightning.optim._release import closure_and_release
 from dplightning.optim.bias_correction import MOMENTUM_FORMS, MomentumForm, momentum_noise_variance, orthogonalize
 from dplightning.optim.newton_schulz import NORMALIZATIONS, Normalization
+from dplightning.optim.newton_schulz import ns_coefficients as resolve_coefficients
 from dplightning.privacy.clipping import ClipGroup
+from dplightning.privacy.grad_sample.engines import _is_hf_conv1d
 from dplightning.protocols import DPPlan, DPRelease
 
 DEFAULT_EXCLUDE: tuple[str, ...] = ("embed", "wte", "wpe", "head", "classifier", "score", "shared")
 """Name fragments of ≥2-D parameters that get AdamW, not Muon (embeddings and output heads)."""
 
 CLIP_SPLITS = {
-    "equal": "C_b = C/√(number of groups)",
-    "numel": "C_b ∝ √(numel_b)",
+    "equal": "each Muon matrix its own group, the rest one group; C_b = C/√(number of groups)",
+    "numel": "the same groups; C_b ∝ √(numel_b)",
+    "flat": "one group of every parameter, bound C (a control arm: Muon's update, DP-Adam's plan)",
 }
+MATRIX_UPDATES = {
+    "muon": "momentum + Newton–Schulz (DP-Muon)",
+    "adamw": "AdamW with the adam_* settings (a control arm: DP-Adam under Muon's clip plan)",
+}
+
+PAPER_FORM: dict[str, Any] = {
+    "momentum_form": "heavyball",
+    "normalization": "max1",
+    "ns_coefficients": "taylor2",
+    "ns_steps": 5,
+}
+"""The DP-Muon paper's form (per the spec's summary): heavy-ball momentum, Y₀ = M / max(1, ‖M‖_F) and
+q steps of the Taylor polynomial p_κ. The paper's κ and q are not confirmed; κ = 2, q = 5 here.
+Use as ``DPMuon(params, **PAPER_FORM, lr=...)``; its learning rate is not Muon's (the update
+is not normalised), so tune it on its own grid."""
 
 
 class DPMuon(torch.optim.Optimizer):
@@ -42,7 +63,8 @@ class DPMuon(torch.optim.Optimizer):
     strategy asks for the DP plan; without a DP strategy every ≥2-D parameter). Conv
     filters are flattened to ``[out, in·kh·kw]``; the shape scale √max(1, rows/cols) uses that
     flattened shape (the reference uses the kernel's kh/kw for 4-D weights, a quirk not copied).
-    HF ``Conv1D`` weights are stored ``[in, out]``, so their scale is the transposed one.
+    The scale is the layer's fan-out/fan-in, not the storage's: Hugging Face ``Conv1D`` weights
+    (GPT-2) are stored ``[in, out]`` and found by :meth:`dp_bind_module`.
 
     Args:
         params: Parameters or param groups (a group may set ``use_muon`` and any option below).
@@ -51,6 +73,10 @@ class DPMuon(torch.optim.Optimizer):
         momentum_form: ``"nesterov"`` (Muon), ``"ema"`` or ``"heavyball"`` (paper); see
             :data:`~dplightning.optim.bias_correction.MOMENTUM_FORMS`.
         ns_steps: Newton–Schulz iterations.
+        ns_coefficients: The step's polynomial: a name in
+            :data:`~dplightning.optim.newton_schulz.NS_PRESETS` (``"muon"``, Keller Jordan's
+            quintic; ``"taylor1"``/``"taylor2"``, the paper's cubic/quintic Taylor forms) or
+            explicit coefficients ``(c₀, c₁, …)`` of X ← (c₀ + c₁XXᵀ + …)X.
         normalization: ``"frobenius"`` (Muon) or ``"max1"`` (paper).
         weight_decay: Decoupled weight decay of the Muon matrices: W ← W(1 − lr·wd).
         adam_lr: AdamW learning rate of the other parameters.
@@ -58,8 +84,9 @@ class DPMuon(torch.optim.Optimizer):
         adam_eps: AdamW epsilon.
         adam_weight_decay: AdamW's decoupled weight decay.
         exclude: Name fragments of ≥2-D parameters left to AdamW.
-        clip_split: How C = ``max_grad_norm`` is split into per-group bounds (Δ = C either way):
-            ``"equal"`` or ``"numel"``.
+        clip_split: The clip plan and how C = ``max_grad_norm`` is split into per-group bounds
+            (Δ = C either way); see :data:`CLIP_SPLITS`.
+        matrix_update: ``"muon"``, or ``"adamw"`` for the control arm; see :data:`MATRIX_UPDATES`.
         bias_correction: DP-MuonBC.
         probe_scale: ρ/τ of the probes.
         probe_pairs: Antithetic probe pairs per matrix and step.
@@ -75,6 +102,7 @@ class DPMuon(torch.optim.Optimizer):
         momentum: float = 0.95,
         momentum_form: MomentumForm = "nesterov",
         ns_steps: int = 5,
+        ns_coefficients: str | Sequence[float] = "muon",
         normalization: Normalization = "frobenius",
         weight_decay: float = 0.0,
         adam_lr: float = 3e-4,
@@ -82,7 +110,8 @@ class DPMuon(torch.optim.Optimizer):
         adam_eps: float = 1e-10,
         adam_weight_decay: float = 0.0,
         exclude: Sequence[str] = DEFAULT_EXCLUDE,
-        clip_split: Literal["equal", "numel"] = "equal",
+        clip_split: Literal["equal", "numel", "flat"] = "equal",
+        matrix_update: Literal["muon", "adamw"] = "muon",
         bias_correction: bool = False,
         probe_scale: float = 1.0,
         probe_pairs: int = 1,
@@ -96,6 +125,8 @@ class DPMuon(torch.optim.Optimizer):
         _check(normalization in NORMALIZATIONS, f"normalization must be one of {sorted(NORMALIZATIONS)}")
         _check(ns_steps >= 1, f"ns_steps must be >= 1, got {ns_steps}")
         _check(clip_split in CLIP_SPLITS, f"clip_split must be one of {sorted(CLIP_SPLITS)}")
+        _check(matrix_update in MATRIX_UPDATES, f"matrix_update must be one of {sorted(MATRIX_UPDATES)}")
+        coefficients = resolve_coefficients(ns_coefficients)  # raises on an unknown preset or a bad sequence
         _check(probe_scale > 0 and probe_pairs >= 1, "probe_scale must be > 0 and probe_pairs >= 1")
         _check(max_noise_ratio is None or max_noise_ratio > 0, f"max_noise_ratio must be > 0, got {max_noise_ratio}")
         _check(all(0 <= b < 1 for b in adam_betas), f"adam_betas must lie in [0, 1), got {adam_betas}")
@@ -105,6 +136,7 @@ class DPMuon(torch.optim.Optimizer):
             momentum=momentum,
             momentum_form=momentum_form,
             ns_steps=ns_steps,
+            ns_coefficients=coefficients,
             normalization=normalization,
             weight_decay=weight_decay,
             adam_lr=adam_lr,
@@ -120,6 +152,7 @@ class DPMuon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.exclude = tuple(exclude)
         self.clip_split = clip_split
+        self.matrix_update = matrix_update
         self.ns_dtype = getattr(torch, ns_dtype) if ns_dtype else None
         self.seed = seed
         self.names: dict[Tensor, str] = {}
@@ -127,6 +160,9 @@ class DPMuon(torch.optim.Optimizer):
         """Per Muon matrix, the last step's r̂ and whether BC was applied (public; for logging)."""
         self.corrected_fraction: tuple[int, int] = (0, 0)
         """(matrix-steps corrected, matrix-steps with BC on) so far."""
+        self.guard_open: tuple[int, int] = (0, 0)
+        """(matrix-steps with 0 < r̂ ≤ max_noise_ratio, matrix-steps with noise) so far: where a guarded BC acts."""
+        self._stored_transposed: set[Tensor] = set()
         self._planned = False
         self._release: DPRelease | None = None
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -142,10 +178,19 @@ class DPMuon(torch.optim.Optimizer):
         name = self.names.get(p)
         return p.dim() >= 2 and (name is None or not any(x in name.lower() for x in self.exclude))
 
+    def dp_bind_module(self, module: nn.Module) -> None:
+        """Find the weights stored ``[in, out]`` (Hugging Face ``Conv1D``) so their shape scale uses fan-out/fan-in.
+
+        The DP strategies call it before :meth:`dp_plan`; without one, call it once with the model.
+        """
+        self._stored_transposed = {m.weight for m in module.modules() if _is_hf_conv1d(m)}
+
     def dp_plan(self, named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> DPPlan:
-        """Each Muon matrix its own clip group, the other parameters one group; Δ = ``max_grad_norm``."""
+        """Each Muon matrix its own clip group, the other parameters one group (or all one, ``"flat"``); Δ = C."""
         self.names.update({p: n for n, p in named_params})
         self._planned = True
+        if self.clip_split == "flat":
+            return DPPlan([ClipGroup("all", tuple(p for _, p in named_params), max_grad_norm)])
         matrices = [(n, p) for n, p in named_params if self.uses_muon(p)]
         rest = tuple(p for _, p in named_params if not self.uses_muon(p))
         blocks: list[tuple[str, tuple[nn.Parameter, ...]]] = [(n, (p,)) for n, p in matrices]
@@ -180,7 +225,8 @@ class DPMuon(torch.optim.Optimizer):
                 g = slots.get(p, p.grad)
                 if g is None:
                     continue
-                (muon if self.uses_muon(p, group) else adam).append((p, g.view_as(p)))
+                is_muon = self.uses_muon(p, group) and self.matrix_update == "muon"
+                (muon if is_muon else adam).append((p, g.view_as(p)))
             self._muon_step(group, muon, noise_var)
             self._adam_step(group, adam)
         return loss
@@ -215,16 +261,47 @@ class DPMuon(torch.optim.Optimizer):
             max_noise_ratio=group["max_noise_ratio"],
             ns_dtype=self.ns_dtype,
             steps=group["ns_steps"],
+            coefficients=group["ns_coefficients"],
             normalization=group["normalization"],
         )
-        lr, wd = group["lr"], group["weight_decay"]
+        lr, wd, r_max = group["lr"], group["weight_decay"], group["max_noise_ratio"]
         done, on = self.corrected_fraction
+        opened, noisy = self.guard_open
         for (p, _), out, ratio, corrected in zip(params, result.outputs, result.noise_ratios, result.corrected):
-            update = out * math.sqrt(max(1.0, out.shape[0] / out.shape[1]))  # after BC: the scale is not part of f
+            update = out * self._shape_scale(p, out)  # after BC: the scale is not part of f
             p.mul_(1 - lr * wd).add_(update.view_as(p).to(p.dtype), alpha=-lr)
             self.last_noise_ratios[self.names.get(p, str(id(p)))] = (ratio, corrected)
             done, on = done + corrected, on + bool(group["bias_correction"])
+            opened += ratio > 0 and (r_max is None or ratio <= r_max)
+            noisy += ratio > 0
         self.corrected_fraction = (done, on)
+        self.guard_open = (opened, noisy)
+
+    def _shape_scale(self, p: Tensor, flat: Tensor) -> float:
+        """√max(1, fan_out/fan_in) of the flattened ``[out, in·k…]`` matrix (transposed if stored ``[in, out]``)."""
+        rows, cols = flat.shape
+        fan_out, fan_in = (cols, rows) if p in self._stored_transposed else (rows, cols)
+        return math.sqrt(max(1.0, fan_out / fan_in))
+
+    def dp_metrics(self) -> dict[str, float]:
+        """Public diagnostics of the last step, for the logger (post-processing of the release).
+
+        ``muon/noise_ratio_p25|p50|p75``: quartiles of r̂ = τ√(mn)/‖U‖_F over the last step's
+        matrices (1 means U is all noise at the scale of its norm); ``muon/guard_open_fraction``:
+        share of noisy matrix-steps so far with r̂ ≤ ``max_noise_ratio`` (where a guarded BC acts);
+        ``muon/bc_fraction`` (with ``bias_correction``): share of matrix-steps BC was applied to.
+        """
+        ratios = sorted(r for r, _ in self.last_noise_ratios.values() if r > 0)
+        if not ratios:
+            return {}
+        q = torch.tensor(ratios, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+        metrics = {f"muon/noise_ratio_p{k}": float(v) for k, v in zip((25, 50, 75), q)}
+        opened, noisy = self.guard_open
+        metrics["muon/guard_open_fraction"] = opened / noisy if noisy else 0.0
+        done, on = self.corrected_fraction
+        if on:
+            metrics["muon/bc_fraction"] = done / on
+        return metrics
 
     def _adam_step(self, group: dict[str, Any], params: list[tuple[Tensor, Tensor]]) -> None:
         lr, wd = group["adam_lr"], group["adam_weight_decay"]
@@ -250,6 +327,7 @@ class DPMuon(torch.optim.Optimizer):
         states = {str(d): g.get_state() for d, g in self._generators.items()}
         sd["dpmuon_generators"] = {**self._generator_states, **states}
         sd["dpmuon_corrected_fraction"] = self.corrected_fraction
+        sd["dpmuon_guard_open"] = self.guard_open
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -257,6 +335,7 @@ class DPMuon(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         self._generator_states = dict(state_dict.pop("dpmuon_generators", {}))
         self.corrected_fraction = tuple(state_dict.pop("dpmuon_corrected_fraction", (0, 0)))  # type: ignore[assignment]
+        self.guard_open = tuple(state_dict.pop("dpmuon_guard_open", (0, 0)))  # type: ignore[assignment]
         self._generators = {}
         super().load_state_dict(state_dict)
 

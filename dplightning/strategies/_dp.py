@@ -49,7 +49,7 @@ from dplightning.privacy.grad_sample.validation import refuse_batch_mean_loss
 from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise
 from dplightning.protocols import CountsExamples, ShowsEpsilon
-from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount
+from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount, _OptimizerMetrics
 from dplightning.strategies.accounting import PrivacyAccounting, library_versions
 from dplightning.strategies.checkpoint import atomic_save, is_local_path
 from dplightning.strategies.config import DPConfig
@@ -395,6 +395,8 @@ class _DPHooks(Strategy):
             trainer.callbacks.append(_EpsilonProgress())
         if not any(isinstance(cb, _NonfiniteCount) for cb in trainer.callbacks):
             trainer.callbacks.append(_NonfiniteCount())
+        if not any(isinstance(cb, _OptimizerMetrics) for cb in trainer.callbacks):
+            trainer.callbacks.append(_OptimizerMetrics())
 
     def _restore_dp_state(self, trainer: pl.Trainer) -> None:
         state, self._resume_state = self._resume_state, None

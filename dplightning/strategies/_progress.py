@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from dplightning.protocols import AccountingSource
+from dplightning.protocols import AccountingSource, ReportsMetrics
 
 
 class _EpsilonProgress(Callback):
@@ -49,3 +49,14 @@ class _NonfiniteCount(Callback):
         if count:
             logger = bool(trainer.loggers)
             pl_module.log(NONFINITE_METRIC, float(count), on_step=True, on_epoch=False, logger=logger)
+
+
+class _OptimizerMetrics(Callback):
+    """Logs the optimizer's public diagnostics (:class:`~dplightning.protocols.ReportsMetrics`) every step."""
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        for optimizer in trainer.optimizers:
+            if isinstance(optimizer, ReportsMetrics) and (metrics := dict(optimizer.dp_metrics())):
+                pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=bool(trainer.loggers))

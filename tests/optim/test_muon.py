@@ -18,6 +18,7 @@ from dplightning.optim.bias_correction import (
     momentum_noise_variance,
     orthogonalize,
 )
+from dplightning.optim.muon import PAPER_FORM
 from dplightning.optim.newton_schulz import newton_schulz
 from dplightning.protocols import DPRelease
 from tests.helpers import TinyModule, dp, make_dataset, make_trainer, params_of
@@ -282,3 +283,128 @@ def test_the_plan_splits_matrices_from_embeddings_heads_and_vectors() -> None:
     assert plan.groups[0].max_norm == pytest.approx(2.0 * math.sqrt(16 / (16 + 40 + 12 + 4)))  # ∝ √numel
     with pytest.raises(ValueError, match="momentum_form"):
         DPMuon([hidden], momentum_form="adam")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the paper's form and the control arms
+
+
+def reference_paper_step(M: Tensor, W: Tensor, g: Tensor, lr: float, beta: float, kappa: int, q: int) -> Tensor:
+    """One step of the spec's §2.2 in fp64: heavy-ball m, Y₀ = T(m)/max(1, ‖T(m)‖_F), q steps of p_κ(YYᵀ)Y."""
+    M.mul_(beta).add_(g.double())
+    tall = M.shape[0] > M.shape[1]
+    Y = M.T if tall else M
+    Y = Y / max(1.0, Y.norm().item())
+    eye = torch.eye(Y.shape[0], dtype=torch.float64)
+    for _ in range(q):
+        R = eye - Y @ Y.T  # p_κ(λ) = Σ_s (2s)!/(4^s (s!)²)·(1 − λ)^s, written from the series itself
+        P = sum(math.factorial(2 * s) / (4**s * math.factorial(s) ** 2) * torch.linalg.matrix_power(R, s)
+                for s in range(kappa + 1))  # fmt: skip
+        Y = P @ Y
+    O = Y.T if tall else Y  # noqa: E741
+    return W.double() - lr * O * math.sqrt(max(1.0, W.shape[0] / W.shape[1]))
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (6, 12), (12, 6)])
+def test_the_paper_form_is_the_specs_heavyball_max1_taylor_iteration(shape: tuple[int, int]) -> None:
+    torch.manual_seed(11)
+    W = nn.Parameter(torch.randn(*shape))
+    W_ref, M_ref = W.detach().double().clone(), torch.zeros(*shape, dtype=torch.float64)
+    opt = DPMuon([W], lr=0.1, momentum=0.9, **PAPER_FORM)
+    for k in range(4):
+        g = torch.randn(*shape) * (0.05 if k < 2 else 2.0)  # below and above the max(1, ·) threshold
+        W.grad = g.clone()
+        opt.step()
+        W_ref = reference_paper_step(M_ref, W_ref, g, lr=0.1, beta=0.9, kappa=2, q=PAPER_FORM["ns_steps"])
+        torch.testing.assert_close(W.detach().double(), W_ref, rtol=0, atol=2e-6)
+
+
+def test_flat_clip_split_is_one_group_at_the_full_bound_and_keeps_muons_update() -> None:
+    emb, hidden, bias = (nn.Parameter(torch.zeros(s)) for s in [(10, 4), (4, 4), (4,)])
+    named = [("wte.weight", emb), ("h.0.mlp.weight", hidden), ("h.0.mlp.bias", bias)]
+    plan = DPMuon([emb, hidden, bias], clip_split="flat").dp_plan(named, 2.0)
+    assert [(g.name, g.params, g.max_norm) for g in plan.groups] == [("all", (emb, hidden, bias), 2.0)]
+    # Only the plan changes: from the same release both splits make the same update.
+    outs = []
+    for split in ("equal", "flat"):
+        torch.manual_seed(12)
+        W = [nn.Parameter(torch.randn(8, 16)), nn.Parameter(torch.randn(16))]
+        opt = DPMuon(W, clip_split=split)
+        opt.dp_plan([("a.weight", W[0]), ("a.bias", W[1])], 1.0)
+        for k in range(3):
+            opt.dp_release(_release(W, [torch.randn(8, 16), torch.randn(16)], std=0.1, step=k))
+            opt.step()
+        outs.append([w.detach().clone() for w in W])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_matrix_update_adamw_is_torchs_adamw_on_every_parameter_under_muons_plan() -> None:
+    torch.manual_seed(13)
+    model, ref = net(16), net(16)
+    ref.load_state_dict(model.state_dict())
+    named = list(model.named_parameters())
+    opt = DPMuon(model.parameters(), matrix_update="adamw", adam_lr=0.01, adam_betas=(0.9, 0.999), adam_eps=1e-6)
+    assert opt.dp_plan(named, 1.0).groups == DPMuon(model.parameters()).dp_plan(named, 1.0).groups  # Muon's plan
+    adam = torch.optim.AdamW(ref.parameters(), lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
+    for k in range(3):
+        grads = [torch.randn_like(p) for p in model.parameters()]
+        opt.dp_release(_release([p for _, p in named], grads, std=0.1, step=k))
+        opt.step()
+        for p, g in zip(ref.parameters(), grads):
+            p.grad = g.clone()
+        adam.step()
+    for (n, p), q in zip(named, ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
+    assert opt.dp_metrics() == {}  # no Muon matrix, no r̂
+    with pytest.raises(ValueError, match="matrix_update"):
+        DPMuon(model.parameters(), matrix_update="sgd")  # type: ignore[arg-type]
+
+
+def test_a_conv1d_weight_gets_the_shape_scale_of_its_layer_not_of_its_storage() -> None:
+    transformers = pytest.importorskip("transformers")
+    conv1d = transformers.pytorch_utils.Conv1D(64, 16)  # y = x @ W + b, W stored [in 16, out 64]
+    linear = nn.Linear(16, 64, bias=False)  # the same layer stored [out, in]: scale √(64/16) = 2
+    with torch.no_grad():
+        linear.weight.copy_(conv1d.weight.T)
+    g = torch.randn(64, 16, generator=torch.Generator().manual_seed(14))
+    updates = []
+    for layer, grad in ((linear, g), (conv1d, g.T)):
+        opt = DPMuon([layer.weight], lr=0.1)
+        opt.dp_bind_module(layer)
+        before = layer.weight.detach().clone()
+        layer.weight.grad = grad.clone()
+        opt.step()
+        updates.append(layer.weight.detach() - before)
+    torch.testing.assert_close(updates[1], updates[0].T, rtol=1e-5, atol=1e-7)
+    # The update's spectral scale is lr·2 up to NS's band (the stored layout would give lr·1).
+    assert torch.linalg.matrix_norm(updates[1], ord=2).item() == pytest.approx(0.1 * 2, rel=0.2)
+
+
+def test_dp_metrics_report_noise_ratio_quartiles_and_guard_and_bc_fractions() -> None:
+    torch.manual_seed(15)
+    W = [nn.Parameter(torch.randn(8, 16)), nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(8, 8))]
+    opt = DPMuon(W, bias_correction=True, max_noise_ratio=0.5)
+    opt.dp_plan([("a", W[0]), ("b", W[1]), ("c", W[2])], 1.0)
+    scales = (10.0, 10.0, 0.01)  # two matrices well above the noise, one buried in it
+    for k in range(2):
+        opt.dp_release(_release(W, [s * torch.randn_like(w) for s, w in zip(scales, W)], std=0.5, step=k))
+        opt.step()
+    metrics = opt.dp_metrics()
+    ratios = sorted(r for r, _ in opt.last_noise_ratios.values())
+    q = torch.tensor(ratios, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    assert [metrics[f"muon/noise_ratio_p{p}"] for p in (25, 50, 75)] == pytest.approx(q.tolist())
+    assert ratios[0] < 0.5 < ratios[-1]
+    assert metrics["muon/guard_open_fraction"] == pytest.approx(4 / 6)  # two of three matrices, both steps
+    assert metrics["muon/bc_fraction"] == pytest.approx(4 / 6)
+    assert "muon/bc_fraction" not in DPMuon(W).dp_metrics()
+
+
+def test_the_strategy_logs_the_muon_diagnostics_every_step() -> None:
+    module = TinyModule(net(), optimizer=lambda ps: DPMuon(ps, lr=0.01))
+    data = DataLoader(make_dataset(N), batch_size=4)
+    make_trainer(dp(noise_multiplier=1.0, max_grad_norm=1.0, seed=0), max_steps=2).fit(module, data)
+    logged = module.trainer.callback_metrics
+    assert {"muon/noise_ratio_p25", "muon/noise_ratio_p50", "muon/noise_ratio_p75"} <= set(logged)
+    assert logged["muon/noise_ratio_p50"].item() == pytest.approx(
+        float(torch.tensor([r for r, _ in module.trainer.optimizers[0].last_noise_ratios.values()]).median()), rel=0.5
+    )

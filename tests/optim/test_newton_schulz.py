@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from dplightning.optim.newton_schulz import NS5_COEFFICIENTS, newton_schulz, newton_schulz_many
+from dplightning.optim.newton_schulz import (
+    NS5_COEFFICIENTS,
+    NS_PRESETS,
+    newton_schulz,
+    newton_schulz_many,
+    ns_coefficients,
+    taylor_coefficients,
+)
 
 
 def scalar_map(s: Tensor, steps: int = 5) -> Tensor:
@@ -99,3 +106,54 @@ def test_max1_normalization_leaves_small_inputs_unscaled() -> None:
     torch.testing.assert_close(out, small * NS5_COEFFICIENTS[0] ** 5, rtol=2e-3, atol=0)
     with pytest.raises(ValueError, match="normalization"):
         newton_schulz(G, normalization="spectral")  # type: ignore[arg-type]
+
+
+def test_taylor_presets_are_the_papers_polynomials() -> None:
+    # The paper's p_κ: κ = 1 is the cubic (1.5, -0.5), κ = 2 is (15/8, -10/8, 3/8).
+    torch.testing.assert_close(torch.tensor(NS_PRESETS["taylor1"]), torch.tensor([1.5, -0.5]))
+    torch.testing.assert_close(torch.tensor(NS_PRESETS["taylor2"]), torch.tensor([15 / 8, -10 / 8, 3 / 8]))
+    # p_κ is the Taylor polynomial of λ^(-1/2) at 1: its error there shrinks like (1 - λ)^(κ+1).
+    lam = torch.tensor([0.9, 0.95], dtype=torch.float64)
+    for kappa in (1, 2, 3, 4):
+        p = sum(c * lam**j for j, c in enumerate(taylor_coefficients(kappa)))
+        error = (p - lam.rsqrt()).abs()
+        ratio = (error[0] / error[1]).item()
+        assert ratio == pytest.approx(2 ** (kappa + 1), rel=0.15), (kappa, ratio)
+    with pytest.raises(ValueError, match="degree"):
+        taylor_coefficients(0)
+
+
+@pytest.mark.parametrize("preset", ["taylor1", "taylor2", "taylor3"])
+def test_a_preset_acts_on_singular_values_by_its_scalar_map(preset: str) -> None:
+    coefficients = NS_PRESETS[preset]
+    G = ill_conditioned(24, 40, 100.0, seed=5)
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    s = S / S.square().sum().sqrt().clamp(min=1.0)  # max1: no epsilon in the divisor
+    for _ in range(4):
+        s = s * sum(c * s ** (2 * j) for j, c in enumerate(coefficients))
+    expected = U @ torch.diag(s) @ Vh
+    out = newton_schulz(G, steps=4, coefficients=preset, normalization="max1", dtype=torch.float64)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-7)  # the norm is taken in fp32
+    # An explicit sequence of the same numbers is the same step.
+    same = newton_schulz(G, steps=4, coefficients=coefficients, normalization="max1", dtype=torch.float64)
+    torch.testing.assert_close(same, out)
+
+
+def test_taylor_forms_stay_near_linear_on_small_inputs_where_muons_quintic_does_not() -> None:
+    # Why the form matters under DP: max1 keeps a small (noise-level) input small; the Taylor step's
+    # slope at 0 is c₀ (1.875 for κ = 2), Muon's 3.4445, so five steps amplify by 23× against 485×.
+    G = 1e-5 * torch.randn(16, 32, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    for preset, slope in (("taylor2", 1.875), ("muon", NS5_COEFFICIENTS[0])):
+        out = newton_schulz(G, coefficients=preset, normalization="max1", dtype=torch.float64)
+        linear = G * slope**5
+        assert (torch.linalg.matrix_norm(out - linear) / torch.linalg.matrix_norm(linear)).item() < 1e-3, preset
+
+
+def test_bad_coefficients_are_refused() -> None:
+    G = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="preset"):
+        newton_schulz(G, coefficients="cubic")
+    with pytest.raises(ValueError, match="finite"):
+        newton_schulz(G, coefficients=(1.5, float("nan")))
+    with pytest.raises(ValueError, match="finite"):
+        ns_coefficients(())
