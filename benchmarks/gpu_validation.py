@@ -19,7 +19,10 @@ recorded with the reason):
   inputs included);
 * ``planner/<model>``: ``dplightning.planning.memory.plan`` of a ``DPCausalLM`` /
   ``DPSequenceClassifier`` fit config against the measured peak of three DP steps of it;
-* the rows of the method groups (DP-Muon, DP-GRAPE, DPDM, ...), added with
+* ``muon/gpt2``: DP-Adam, DP-Muon (NS in bf16) and DP-MuonBC (BC on every matrix, its NS
+  calls in fp32) on GPT-2 124M at batch 256 × 128 tokens, one after the other in one row:
+  step-time ratios against DP-Adam (targets ≤ 1.15× and ≤ 1.5×), peak memory, r̂ quartiles;
+* the rows of the other method groups (DP-GRAPE, DPDM, ...), added with
   :func:`register_group` (see "Adding rows" below).
 
 ``gpu_validation.json`` (provenance, budget, every row) and ``gpu_validation.md`` (the
@@ -46,6 +49,7 @@ times. A group without its own entry in ``TABLES`` is shown as name, status, sec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import gc
 import hashlib
@@ -643,6 +647,85 @@ def run_planner(ctx: Context, spec: ModelSpec, steps: int = 3) -> dict[str, Any]
         "summary": f"estimate {estimate.peak / 2**20:.0f} MiB, measured {meter.peak_bytes / 2**20:.0f} MiB "
         f"({100 * error:+.1f} %)",
     }  # fmt: skip
+
+
+# ---------------------------------------------------------------- DP-Muon: the optimizer's cost at scale
+
+MUON_SHAPE = {"batch": 256, "tokens": 128}  # GPT-2 124M at the paper-like E2E batch
+MUON_ARMS = ("dp_adam", "dp_muon", "dp_muonbc")
+MUON_TARGETS = {"dp_muon": 1.15, "dp_muonbc": 1.5}  # step time × DP-Adam's
+MUON_COST = {"dp_adam": 1.0, "dp_muon": 1.2, "dp_muonbc": 1.6}  # step time × dp_auto's (AdamW), before measuring
+
+
+def muon_optimizer(arm: str, params: Any) -> torch.optim.Optimizer:
+    """DP-Adam (AdamW), DP-Muon (NS in bf16 on CUDA) or DP-MuonBC on every matrix (no guard; fp32 BC calls)."""
+    from dplightning.optim import DPMuon
+
+    if arm == "dp_adam":
+        return torch.optim.AdamW(params, lr=1e-4)
+    return DPMuon(params, lr=0.02, adam_lr=1e-4, bias_correction=arm == "dp_muonbc", max_noise_ratio=None)
+
+
+@register_group("muon")
+def muon_rows(ctx: Context) -> list[Row]:
+    """One row: DP-Adam, DP-Muon and DP-MuonBC on GPT-2, side by side in one run."""
+    spec = next(s for s in ctx.specs if s.kind == "causal_lm")
+    if not ctx.small:
+        spec = dataclasses.replace(spec, title=f"{spec.title.split(',')[0]}, T={MUON_SHAPE['tokens']}", **MUON_SHAPE)
+    tokens_factor = (spec.batch * spec.tokens) / max(s.batch * s.tokens for s in ctx.specs if s.kind == "causal_lm")
+
+    def estimate(c: Context, steps: int) -> float:
+        step_s = c.step_s(spec.name, "dp_auto") * tokens_factor
+        return sum(c.setup_s(spec.name) + (c.warmup + steps + 1) * step_s * MUON_COST[a] for a in MUON_ARMS)
+
+    return [Row(f"muon/{spec.name}", "muon", lambda c, limit: run_muon(c, spec), estimate, 3)]
+
+
+def run_muon(ctx: Context, spec: ModelSpec) -> dict[str, Any]:
+    """Median step time, peak memory and r̂ of each arm; step-time ratios against DP-Adam with their targets."""
+    import lightning.pytorch as pl
+    from _harness import StepClock
+    from engines import Task
+    from torch.utils.data import DataLoader
+
+    import dplightning
+
+    w = workload(spec)
+    arms: dict[str, dict[str, Any]] = {}
+    for arm in MUON_ARMS:
+        loader = DataLoader(w.data(w.batch * (ctx.warmup + ctx.steps + 3)), batch_size=w.batch, shuffle=True)
+        torch.manual_seed(0)
+        with ctx.meter() as meter:
+            with ctx.place.device:
+                task = Task(w.build(), w.language_model)
+            task.configure_optimizers = lambda task=task, arm=arm: muon_optimizer(arm, task.parameters())  # type: ignore[method-assign]
+            clock = StepClock(ctx.warmup + ctx.steps, sync=ctx.place.synchronize)
+            trainer = pl.Trainer(
+                strategy=dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0),
+                accelerator=ctx.place.accelerator, devices=1, precision=ctx.place.precision, max_steps=1000,
+                logger=False, callbacks=[clock], enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, num_sanity_val_steps=0,
+            )  # fmt: skip
+            trainer.fit(task, loader)
+        step_ms = clock.step_ms(ctx.warmup)
+        opt = trainer.optimizers[0]
+        arms[arm] = {
+            "median_ms": statistics.median(step_ms), "step_ms": step_ms, "peak_mib": meter.peak_bytes / 2**20,
+            "dp_metrics": dict(opt.dp_metrics()) if hasattr(opt, "dp_metrics") else {},
+        }  # fmt: skip
+        del trainer, task
+        _release_memory()
+    base = arms["dp_adam"]["median_ms"]
+    ratios = {a: arms[a]["median_ms"] / base for a in MUON_TARGETS}
+    met = {a: ratios[a] <= t for a, t in MUON_TARGETS.items()}
+    summary = "; ".join(
+        f"{a} {ratios[a]:.2f}× DP-Adam (target ≤ {MUON_TARGETS[a]}: {'met' if met[a] else 'missed'}), "
+        f"peak {arms[a]['peak_mib'] / arms['dp_adam']['peak_mib']:.2f}×, "
+        f"r̂ median {arms[a]['dp_metrics'].get('muon/noise_ratio_p50', float('nan')):.3f}"
+        for a in MUON_TARGETS
+    )
+    return {"model": spec.name, "batch": spec.batch, "tokens": spec.tokens, "arms": arms, "time_ratios": ratios,
+            "targets": MUON_TARGETS, "targets_met": met, "summary": summary}  # fmt: skip
 
 
 # ---------------------------------------------------------------- provenance and outputs

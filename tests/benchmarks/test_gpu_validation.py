@@ -79,6 +79,12 @@ def test_smoke_run_measures_every_row_and_writes_the_records(tmp_path: Path) -> 
         result = rows[name]["result"]
         assert result["estimated_peak_mib"] > 0 and result["measured_peak_mib"] > 0
         assert math.isfinite(result["relative_error"]) and result["config"]["trainer"]["accelerator"] == "cpu"
+    muon = rows["muon/gpt2"]["result"]  # DP-Adam, DP-Muon and DP-MuonBC side by side
+    assert set(muon["arms"]) == {"dp_adam", "dp_muon", "dp_muonbc"} and set(muon["time_ratios"]) == set(muon["targets"])
+    for arm, res in muon["arms"].items():
+        assert len(res["step_ms"]) == budget["steps"] and res["median_ms"] > 0 and res["peak_mib"] > 0
+        assert (arm == "dp_adam") != (0 < res["dp_metrics"].get("muon/noise_ratio_p50", 0))  # r̂ from the Muon arms
+    assert muon["arms"]["dp_muonbc"]["dp_metrics"]["muon/bc_fraction"] == 1.0  # no guard: BC on every matrix-step
     invariants = rows["invariants"]["result"]
     assert invariants["passed"] >= 1 and invariants["failed"] == 0 and invariants["returncode"] == 0
     for r in rows.values():
