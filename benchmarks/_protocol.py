@@ -309,7 +309,10 @@ def _select(experiment: Experiment, run_once: Callable[..., dict[str, float]]) -
             values = [run_once(arm, SELECT, hparams, seed)[experiment.metric] for seed in experiment.tuning_seeds]
             scores.append({"hparams": dict(hparams), "val_mean": statistics.fmean(values), "split": VAL})
         best = max(scores, key=lambda s: -math.inf if math.isnan(s["val_mean"]) else sign * s["val_mean"])
-        selection[arm.name] = {"hparams": best["hparams"], "val_mean": best["val_mean"], "grid": scores}
+        # A best point at an end of a grid of >= 3 may have its optimum outside the grid: the outputs say so.
+        at_edge = len(scores) >= 3 and best in (scores[0], scores[-1])
+        selection[arm.name] = {"hparams": best["hparams"], "val_mean": best["val_mean"], "grid": scores,
+                               "at_grid_edge": at_edge}  # fmt: skip
     return selection
 
 
@@ -402,12 +405,15 @@ def _write_markdown(path: Path, record: Mapping[str, Any]) -> None:
     for p in record["pairs"]:
         lines.append(f"| {p['a']} - {p['b']} | {p['mean']:+.4f} | {p['sd']:.4f} | "
                      f"[{p['low']:+.4f}, {p['high']:+.4f}] | {p['verdict']} |")  # fmt: skip
-    lines += ["", "## Selection (validation split carved from the training data; mean over tuning seeds "
+    edges = [name for name, sel in record["selection"].items() if sel.get("at_grid_edge")]
+    if edges:
+        lines += ["", f"Selected at an end of its pre-registered grid (optimum maybe outside it): {', '.join(edges)}."]
+    lines += ["", "## Selection (validation split, never the test split; mean over tuning seeds "
               f"{identity['tuning_seeds']})", "",
               f"| arm | hyperparameters | val {metric} | selected |", "|---|---|---|---|"]  # fmt: skip
     for name, sel in record["selection"].items():
         for s in sel["grid"]:
-            chosen = "yes" if s["hparams"] == sel["hparams"] else ""
+            chosen = ("yes (grid edge)" if sel.get("at_grid_edge") else "yes") if s["hparams"] == sel["hparams"] else ""
             lines.append(f"| {name} | {_hp(s['hparams'])} | {s['val_mean']:.4f} | {chosen} |")
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")

@@ -197,3 +197,17 @@ def test_a_run_without_the_metric_is_refused(proto: ModuleType, tmp_path: Path) 
     exp = with_arm_a(proto, experiment(proto, 0.1, []), lambda hparams, seed, split: {"loss": 1.0})
     with pytest.raises(proto.ProtocolError, match="without the metric 'accuracy'"):
         run(proto, exp, tmp_path)
+
+
+def test_a_selection_at_the_end_of_its_grid_is_flagged(proto: ModuleType, tmp_path: Path) -> None:
+    """Arm A's optimum (lr 0.02) is the grid's last point: flagged in the JSON and the markdown; B's is inside."""
+    calls: list[tuple[str, float, int, str]] = []
+    base = arm_fn(0.1, 0.01, calls, "A")
+
+    def run_a(hparams: Mapping[str, Any], seed: int, split: str) -> dict[str, float]:
+        return {"accuracy": base(hparams, seed, split)["accuracy"] + 10 * hparams["lr"]}  # rises along the grid
+
+    result = run(proto, with_arm_a(proto, experiment(proto, 0.1, calls), run_a), tmp_path)
+    assert result["selection"]["A"]["at_grid_edge"] and not result["selection"]["B"]["at_grid_edge"]
+    table = (tmp_path / "t.md").read_text()
+    assert "optimum maybe outside it): A." in table and "| A | lr=0.02 | " in table and "yes (grid edge)" in table
