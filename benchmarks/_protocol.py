@@ -48,12 +48,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
@@ -213,7 +215,11 @@ def verdict(a: str, b: str, interval: Mapping[str, float], higher_is_better: boo
 
 
 def run_experiment(
-    experiment: Experiment, out: Path | None = None, figures: Path | None = None, threads: int | None = None
+    experiment: Experiment,
+    out: Path | None = None,
+    figures: Path | None = None,
+    threads: int | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Run (or resume) an experiment and write its JSON, markdown table and figure.
 
@@ -222,6 +228,9 @@ def run_experiment(
         out: The JSON path; the markdown goes next to it. Default ``_outputs.default_result``.
         figures: The figure folder. Default ``_outputs.default_figures``.
         threads: Recorded in the provenance (default: torch's thread count).
+        workers: Runs at once, each in a forked worker process (the selection runs of every arm
+            together, then the final runs); this process alone writes the record, after every
+            run. Results do not depend on it: each run is fixed by its arm, hyperparameters and seed.
 
     Returns:
         The record as written to the JSON.
@@ -230,29 +239,66 @@ def run_experiment(
         ProtocolError: The record at ``out`` has other settings, or other criteria once its
             final runs have started, or a run returned no ``metric``.
     """
+    if workers < 1:
+        raise ProtocolError(f"workers must be >= 1, got {workers}")
     out = out or default_result(f"{experiment.name}.json")
     record = _load_or_start(experiment, out, threads)
     done = {_key(r["phase"], r["arm"], r["hparams"], r["seed"]): r for r in record["runs"]}
 
-    def run_once(arm: Arm, phase: str, hparams: Mapping[str, Any], seed: int) -> dict[str, float]:
-        key = _key(phase, arm.name, hparams, seed)
-        if key not in done:
-            done[key] = _timed_run(experiment, arm, phase, hparams, seed)
-            record["runs"].append(done[key])
-            _write_json(out, record)
-        return done[key]["metrics"]
+    def keep(run: dict[str, Any]) -> None:
+        done[_key(run["phase"], run["arm"], run["hparams"], run["seed"])] = run
+        record["runs"].append(run)
+        _write_json(out, record)
 
+    def run_all(jobs: list[Job]) -> None:
+        _run_jobs(experiment, [j for j in jobs if _key(j[1], j[0].name, j[2], j[3]) not in done], workers, keep)
+
+    def run_once(arm: Arm, phase: str, hparams: Mapping[str, Any], seed: int) -> dict[str, float]:
+        run_all([(arm, phase, hparams, seed)])
+        return done[_key(phase, arm.name, hparams, seed)]["metrics"]
+
+    run_all([(a, SELECT, h, s) for a in experiment.arms for h in a.grid for s in experiment.tuning_seeds])
     record["selection"] = _select(experiment, run_once)
     _start_final(experiment, record, out)
-    for seed in experiment.final_seeds:  # seed-major, so a crash leaves complete pairs behind
-        for arm in experiment.arms:
-            run_once(arm, FINAL, record["selection"][arm.name]["hparams"], seed)
+    # Seed-major, so a crash leaves complete pairs behind.
+    selected = {a.name: record["selection"][a.name]["hparams"] for a in experiment.arms}
+    run_all([(a, FINAL, selected[a.name], s) for s in experiment.final_seeds for a in experiment.arms])
     record.update(_results(experiment, record))
     record["status"] = "complete"
     _write_json(out, record)
     _write_markdown(out.with_suffix(".md"), record)
     _write_figure((figures or default_figures()) / f"{experiment.name}.png", record)
     return record
+
+
+Job = tuple[Arm, str, Mapping[str, Any], int]  # arm, phase, hyperparameters, seed
+_FORKED: tuple[Experiment, list[Job]] | None = None  # what forked workers read (set before the fork)
+
+
+def _run_jobs(experiment: Experiment, jobs: list[Job], workers: int, keep: Callable[[dict[str, Any]], None]) -> None:
+    """Run ``jobs`` (in order with one worker) and hand each finished run to ``keep`` in this process."""
+    if workers == 1 or len(jobs) <= 1:
+        for arm, phase, hparams, seed in jobs:
+            keep(_timed_run(experiment, arm, phase, hparams, seed))
+        return
+    global _FORKED
+    _FORKED = (experiment, jobs)  # arms hold closures, which cannot be pickled: forked workers inherit them
+    try:
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context) as pool:
+            futures = [pool.submit(_forked_job, i) for i in range(len(jobs))]
+            for future in as_completed(futures):
+                keep(future.result())
+    finally:
+        _FORKED = None
+
+
+def _forked_job(index: int) -> dict[str, Any]:
+    if _FORKED is None:
+        raise ProtocolError("a protocol worker started without its jobs (workers need the 'fork' start method)")
+    experiment, jobs = _FORKED
+    arm, phase, hparams, seed = jobs[index]
+    return _timed_run(experiment, arm, phase, hparams, seed)
 
 
 def _key(phase: str, arm: str, hparams: Mapping[str, Any], seed: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import random
 import statistics
 from collections.abc import Callable, Mapping
@@ -211,3 +212,28 @@ def test_a_selection_at_the_end_of_its_grid_is_flagged(proto: ModuleType, tmp_pa
     assert result["selection"]["A"]["at_grid_edge"] and not result["selection"]["B"]["at_grid_edge"]
     table = (tmp_path / "t.md").read_text()
     assert "optimum maybe outside it): A." in table and "| A | lr=0.02 | " in table and "yes (grid edge)" in table
+
+
+def test_forked_workers_give_the_same_record_as_one_process(proto: ModuleType, tmp_path: Path) -> None:
+    base = arm_fn(0.1, 0.01, [], "A")
+
+    def run_a(hparams: Mapping[str, Any], seed: int, split: str) -> dict[str, float]:
+        return {**base(hparams, seed, split), "pid": os.getpid()}
+
+    serial = run(proto, with_arm_a(proto, experiment(proto, 0.1, [], name="serial"), run_a), tmp_path)
+    parallel = proto.run_experiment(
+        with_arm_a(proto, experiment(proto, 0.1, [], name="parallel"), run_a),
+        out=tmp_path / "parallel.json", figures=tmp_path, workers=2,
+    )  # fmt: skip
+    pids = {r["metrics"]["pid"] for r in parallel["runs"] if r["arm"] == "A"}
+    assert os.getpid() not in pids and len(pids) >= 2  # forked workers ran them, two at a time
+
+    def runs(record: dict[str, Any]) -> list[tuple]:
+        keys = ("phase", "arm", "seed")
+        return sorted((*(r[k] for k in keys), r["hparams"]["lr"], r["metrics"]["accuracy"]) for r in record["runs"])
+
+    assert len(parallel["runs"]) == 2 * 3 + 2 * 5 and runs(parallel) == runs(serial)
+    assert parallel["selection"] == serial["selection"] and parallel["criteria"] == serial["criteria"]
+    assert {r["phase"] for r in json.loads((tmp_path / "parallel.json").read_text())["runs"]} == {"select", "final"}
+    with pytest.raises(proto.ProtocolError, match="workers"):
+        proto.run_experiment(experiment(proto, 0.1, [], name="w0"), out=tmp_path / "w0.json", workers=0)
