@@ -47,7 +47,7 @@ The arms differ from their config files only by a YAML overlay of the optimizer'
 (jsonargparse takes no ``null`` on the command line, and DP-MuonBC's ``max_noise_ratio=None`` is
 one). About an hour on one CPU thread (20 selection + 30 final runs of about a minute):
 
-    OMP_NUM_THREADS=1 python benchmarks/muon_digits.py \\
+    OMP_NUM_THREADS=1 python benchmarks/muon_digits.py --workers 2 \\
         --out benchmarks/results/muon_digits_cpu.json --figures docs/figures
     OMP_NUM_THREADS=1 python benchmarks/muon_digits.py --smoke   # a minute: see experiment()
 
@@ -279,9 +279,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--arms", nargs="+", default=None, help="a subset of the arms (default: all; smoke: two)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON record (default: outputs/benchmarks/)")
     parser.add_argument("--figures", type=Path, default=None, help="the figure folder (default: outputs/figures/)")
+    parser.add_argument("--workers", type=int, default=1, help="runs at once, one thread each (forked processes)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    return run_experiment(experiment(args.smoke, args.arms), out=args.out, figures=args.figures, threads=1)
+    exp = experiment(args.smoke, args.arms)
+    return run_experiment(exp, out=args.out, figures=args.figures, threads=1, workers=args.workers)
 
 
 if __name__ == "__main__":
