@@ -55,7 +55,7 @@ the 16 runs (6 selection + 10 final) ~2.2 h; with ``--controls`` 32 runs, ~4.5 h
 
 Commands (the record resumes: rerunning skips the runs it holds)::
 
-    OMP_NUM_THREADS=1 python benchmarks/muon_sst2.py --out benchmarks/results/muon_sst2_cpu.json \\
+    OMP_NUM_THREADS=1 python benchmarks/muon_sst2.py --workers 2 --out benchmarks/results/muon_sst2_cpu.json \\
         --figures docs/figures [--controls]
     OMP_NUM_THREADS=1 python benchmarks/muon_sst2.py --smoke   # the code path in about a minute, no result
 """
@@ -463,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {Design().steps})")
     parser.add_argument("--out", type=Path, default=None, help="the JSON record (default: outputs/benchmarks/)")
     parser.add_argument("--figures", type=Path, default=None, help="the figure folder (default: outputs/figures/)")
+    parser.add_argument("--workers", type=int, default=1, help="runs at once, one thread each (forked processes)")
     args = parser.parse_args(argv)
     reason = missing(args.data)
     if reason:
@@ -470,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {}
     torch.set_num_threads(1)
     exp = experiment(args.smoke, args.controls, args.data, args.pool_rows, args.steps)
-    return run_experiment(exp, out=args.out, figures=args.figures, threads=1)
+    return run_experiment(exp, out=args.out, figures=args.figures, threads=1, workers=args.workers)
 
 
 if __name__ == "__main__":
