@@ -479,7 +479,7 @@ def _write_figure(path: Path, record: Mapping[str, Any]) -> None:
                   label=f"seed {s}")  # fmt: skip
     means = [record["arms"][n]["metrics"][metric]["mean"] for n in names]
     left.plot(range(len(names)), means, "k_", markersize=24, label="mean")
-    left.set_xticks(range(len(names)), names, rotation=20)
+    left.set_xticks(range(len(names)), names, rotation=35, ha="right")
     left.set_ylabel(f"test {metric}")
     left.set_title("final runs per paired seed")
     left.legend(fontsize=7)
