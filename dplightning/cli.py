@@ -20,6 +20,7 @@ import importlib
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -58,6 +59,7 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> DPLightningCLI
     With ``run=False`` the args have no subcommand: the model, data and trainer are only built
     (for scripts that drive the loop themselves), and no config file is saved.
     """
+    _quiet_lightning_pytree()
     saving: dict[str, Any] = {"save_config_kwargs": {"overwrite": True}} if run else {"save_config_callback": None}
     return DPLightningCLI(
         LightningModule,
@@ -67,6 +69,21 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> DPLightningCLI
         args=args,
         run=run,
         **saving,
+    )
+
+
+def _quiet_lightning_pytree() -> None:
+    """Silence one known deprecation warning, only where it arises.
+
+    Lightning 2.6's ``utilities/_pytree.py`` builds torch's ``LeafSpec``, which torch ≥ 2.10
+    deprecates with a FutureWarning printed on every fit. It says nothing about the user's code
+    and has no fix on this side, so it is filtered by its message and its issuing module only.
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
     )
 
 
