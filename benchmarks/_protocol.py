@@ -103,22 +103,53 @@ class Arm:
 
 @dataclass(frozen=True)
 class Criterion:
-    """A claim written before the final runs: ``better`` beats ``worse`` on the experiment's metric.
+    """A claim written before the final runs: ``better`` beats (or is not worse than) ``worse``.
 
-    It passes when the lower 90 % paired bound of the improvement of ``better`` over ``worse``
-    (``better - worse``, or ``worse - better`` for a metric where lower is better) is above 0.
+    The *improvement* is ``better - worse`` (``worse - better`` for a metric where lower is
+    better), per paired seed. Superiority (``margin=0``, the default) passes when the lower 90 %
+    paired bound of the improvement is above 0. Non-inferiority (``margin > 0``) passes when that
+    bound is above ``-margin`` and, if ``mean_margin`` is set, the mean improvement is at least
+    ``-mean_margin``.
+
+    Args:
+        better: The arm claimed better (or not worse).
+        worse: The reference arm.
+        margin: The non-inferiority margin on the lower bound (0: a superiority claim).
+        mean_margin: The margin on the mean improvement of a non-inferiority claim.
     """
 
     better: str
     worse: str
+    margin: float = 0.0
+    mean_margin: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.margin < 0 or (self.mean_margin is not None and (self.mean_margin < 0 or not self.margin)):
+            raise ProtocolError(f"margins must be >= 0, and mean_margin needs a margin: {self}")
 
     def text(self, metric: str, higher_is_better: bool) -> str:
         """The claim in words, as it is stored before the final runs."""
         diff = f"{self.better} - {self.worse}" if higher_is_better else f"{self.worse} - {self.better}"
+        if not self.margin:
+            return (
+                f"{self.better} beats {self.worse} on {metric} if the lower {LEVEL:.0%} paired t-bound "
+                f"of ({diff}) over the final seeds is above 0"
+            )
+        mean = f"the mean of ({diff}) is >= {-self.mean_margin:g} and " if self.mean_margin is not None else ""
         return (
-            f"{self.better} beats {self.worse} on {metric} if the lower {LEVEL:.0%} paired t-bound "
-            f"of ({diff}) over the final seeds is above 0"
+            f"{self.better} is non-inferior to {self.worse} on {metric} if {mean}the lower {LEVEL:.0%} paired "
+            f"t-bound of ({diff}) over the final seeds is above {-self.margin:g}"
         )
+
+    def judge(self, improvement: Mapping[str, float], span: str) -> tuple[float, bool, str | None]:
+        """(lower bound of the improvement, passed, verdict or None for the superiority wording)."""
+        bound = improvement["low"]
+        if not self.margin:
+            return bound, bound > 0, None
+        mean_ok = self.mean_margin is None or improvement["mean"] >= -self.mean_margin
+        passed = bound > -self.margin and mean_ok
+        word = "is non-inferior to" if passed else "is not shown non-inferior to"
+        return bound, passed, f"{self.better} {word} {self.worse} at this scale ({span})"
 
 
 @dataclass(frozen=True)
@@ -170,12 +201,15 @@ class Experiment:
             "settings": dict(self.settings),
         }, sort_keys=True))  # fmt: skip
 
-    def criteria_record(self) -> list[dict[str, str]]:
+    def criteria_record(self) -> list[dict[str, Any]]:
         """The criteria as stored at the start of the final runs."""
-        return [
-            {"better": c.better, "worse": c.worse, "text": c.text(self.metric, self.higher_is_better)}
-            for c in self.criteria
-        ]
+        records = []
+        for c in self.criteria:
+            record: dict[str, Any] = {"better": c.better, "worse": c.worse}
+            if c.margin:  # superiority claims keep the record's original form (older records resume)
+                record.update(margin=c.margin, mean_margin=c.mean_margin)
+            records.append({**record, "text": c.text(self.metric, self.higher_is_better)})
+        return records
 
 
 def validation_split(n_train: int, fraction: float = 0.1, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -206,12 +240,17 @@ def verdict(a: str, b: str, interval: Mapping[str, float], higher_is_better: boo
     lo, hi = interval["low"], interval["high"]
     a_better = lo > 0 if higher_is_better else hi < 0
     b_better = hi < 0 if higher_is_better else lo > 0
-    span = f"{LEVEL:.0%} paired interval of {a} - {b}: [{lo:+.4g}, {hi:+.4g}], n = {interval['n']}"
+    span = _span(a, b, interval)
     if a_better:
         return f"{a} beats {b} ({span})"
     if b_better:
         return f"{b} beats {a} ({span})"
     return f"not shown at this scale ({span})"
+
+
+def _span(a: str, b: str, interval: Mapping[str, Any]) -> str:
+    lo, hi = interval["low"], interval["high"]
+    return f"{LEVEL:.0%} paired interval of {a} - {b}: [{lo:+.4g}, {hi:+.4g}], n = {interval['n']}"
 
 
 def run_experiment(
@@ -397,9 +436,12 @@ def _results(experiment: Experiment, record: dict[str, Any]) -> dict[str, Any]:
     criteria = []
     for c, registered in zip(experiment.criteria, record["final_started"]["criteria"]):
         diff = _oriented(by_pair.get((c.better, c.worse)) or by_pair[c.worse, c.better], c.better)
-        bound = diff["low"] if experiment.higher_is_better else -diff["high"]  # lower bound of the improvement
-        text = verdict(c.better, c.worse, diff, experiment.higher_is_better)
-        criteria.append({**registered, "lower_bound": bound, "passed": bool(bound > 0), "verdict": text})
+        sign = 1.0 if experiment.higher_is_better else -1.0
+        lo, hi = sorted((sign * diff["low"], sign * diff["high"]))
+        improvement = {"mean": sign * diff["mean"], "low": lo, "high": hi}
+        bound, passed, text = c.judge(improvement, _span(c.better, c.worse, diff))
+        text = text or verdict(c.better, c.worse, diff, experiment.higher_is_better)
+        criteria.append({**registered, "lower_bound": bound, "passed": bool(passed), "verdict": text})
     return {"arms": arms, "pairs": pairs, "criteria": criteria}
 
 

@@ -237,3 +237,50 @@ def test_forked_workers_give_the_same_record_as_one_process(proto: ModuleType, t
     assert {r["phase"] for r in json.loads((tmp_path / "parallel.json").read_text())["runs"]} == {"select", "final"}
     with pytest.raises(proto.ProtocolError, match="workers"):
         proto.run_experiment(experiment(proto, 0.1, [], name="w0"), out=tmp_path / "w0.json", workers=0)
+
+
+@pytest.mark.parametrize(
+    ("offset", "noise", "passes"), [(-0.01, 0.01, True), (-0.035, 0.001, False), (-0.1, 0.01, False)]
+)
+def test_non_inferiority_needs_the_mean_and_the_bound_within_their_margins(
+    proto: ModuleType, tmp_path: Path, offset: float, noise: float, passes: bool
+) -> None:
+    """A = B + offset (± noise), margins 0.03 on the mean and 0.05 on the lower bound.
+
+    At -0.035 with little noise the bound (about -0.036) clears -0.05 but the mean misses -0.03.
+    """
+    criterion = proto.Criterion("A", "B", margin=0.05, mean_margin=0.03)
+    exp = proto.Experiment(
+        name="ni", metric="accuracy", criteria=[criterion],
+        arms=[proto.Arm("A", arm_fn(offset, noise, [], "A"), GRID), proto.Arm("B", arm_fn(0.0, noise, [], "B"), GRID)],
+    )  # fmt: skip
+    result = run(proto, exp, tmp_path)
+    c = result["criteria"][0]
+    assert c["passed"] is passes and c["margin"] == 0.05 and "non-inferior" in c["text"]
+    if offset == -0.035:
+        assert c["lower_bound"] > -0.05  # the mean alone fails it
+    assert ("is non-inferior to B" in c["verdict"]) is passes
+    pair = result["pairs"][0]
+    assert c["lower_bound"] == pytest.approx(pair["low"]) and abs(pair["mean"] - offset) < 0.02
+
+
+def test_non_inferiority_on_a_loss_uses_the_improvement(proto: ModuleType, tmp_path: Path) -> None:
+    """Lower is better: A's loss 0.01 above B's is a -0.01 improvement, non-inferior at a 0.05 margin."""
+
+    def loss_arm(offset: float, name: str) -> Callable[..., Any]:
+        def run_(hparams: Mapping[str, Any], seed: int, split: str) -> dict[str, float]:
+            shared = random.Random(seed).gauss(0, 0.05)
+            return {"loss": 1.0 + offset + shared + random.Random(f"{name}-{seed}").gauss(0, 0.005)}
+
+        return run_
+
+    exp = proto.Experiment(
+        name="ni_loss", metric="loss", higher_is_better=False,
+        criteria=[proto.Criterion("A", "B", margin=0.05), proto.Criterion("A", "B")],
+        arms=[proto.Arm("A", loss_arm(0.01, "A"), GRID[:1]), proto.Arm("B", loss_arm(0.0, "B"), GRID[:1])],
+    )  # fmt: skip
+    non_inferior, superior = run(proto, exp, tmp_path)["criteria"]
+    assert non_inferior["passed"] and -0.05 < non_inferior["lower_bound"] < 0
+    assert not superior["passed"] and "not shown at this scale" in superior["verdict"]
+    with pytest.raises(proto.ProtocolError, match="margin"):
+        proto.Criterion("A", "B", mean_margin=0.03)
