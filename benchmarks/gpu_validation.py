@@ -22,7 +22,17 @@ recorded with the reason):
 * ``muon/gpt2``: DP-Adam, DP-Muon (NS in bf16) and DP-MuonBC (BC on every matrix, its NS
   calls in fp32) on GPT-2 124M at batch 256 × 128 tokens, one after the other in one row:
   step-time ratios against DP-Adam (targets ≤ 1.15× and ≤ 1.5×), peak memory, r̂ quartiles;
-* the rows of the other method groups (DP-GRAPE, DPDM, ...), added with
+* ``grape/roberta_large``: DP-Adam and DP-GRAPE (r = 16), each with the engines ``auto`` and
+  ``instantiate``, on RoBERTa-large at batch 40 × 128 tokens, 3 DP steps each in its own
+  Trainer, one after the other in one row: measured peak against the planner's estimate of
+  the same fit config (pass: every |error| ≤ 20 %) and peak(DP-GRAPE auto) / peak(DP-Adam
+  instantiate) ≤ 0.37;
+* ``grape/opt_6.7b`` (last of its group; skipped unless its conservative estimate fits): OPT-6.7B
+  built on the GPU from its config, the process capped at 80 GB: DP-GRAPE r = 16 at 24 × 128
+  tokens for 2 steps is expected to fit, DP-Adam at batch 1 to run out of memory (caught and
+  recorded); both outcomes, peaks and planned peaks (``--smoke``: ``grape/roberta`` and
+  ``grape/opt_tiny``, a tiny OPT without a cap);
+* the rows of the other method groups (DPDM, ...), added with
   :func:`register_group` (see "Adding rows" below).
 
 ``gpu_validation.json`` (provenance, budget, every row) and ``gpu_validation.md`` (the
@@ -51,8 +61,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fnmatch
+import functools
 import gc
 import hashlib
+import importlib
 import json
 import logging
 import math
@@ -303,6 +315,22 @@ def _cuda_peak() -> float:
 
 def _cuda_empty_cache() -> None:
     torch.cuda.empty_cache()
+
+
+def _cuda_cap_memory(cap_bytes: float) -> float:
+    """Cap this process's CUDA allocations at ``cap_bytes`` (a smaller GPU on a larger one); the fraction set."""
+    fraction = min(cap_bytes / torch.cuda.get_device_properties(0).total_memory, 1.0)
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    return fraction
+
+
+def _cuda_uncap_memory() -> None:
+    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+
+def _cuda_peak_reserved() -> float:
+    """The allocator's peak reserved bytes since the last reset (what a memory cap limits)."""
+    return float(torch.cuda.max_memory_reserved())
 
 
 def _cuda_provenance() -> dict[str, Any]:
@@ -615,30 +643,48 @@ def _token_rows(spec: ModelSpec, n: int) -> list[dict[str, Tensor]]:
     return [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y} for i, y in zip(ids, labels)]
 
 
-def run_planner(ctx: Context, spec: ModelSpec, steps: int = 3) -> dict[str, Any]:
-    """The planner's peak for the spec's fit config against the measured peak of ``steps`` DP steps of it."""
+def fit_config(ctx: Context, spec: ModelSpec, config: dict[str, Any], steps: int) -> None:
+    """``steps`` DP steps of a planner-style fit config (module, optimizer, strategy), the model built on the device.
+
+    Measure it from outside (``with ctx.meter()``): the module and the Trainer are this call's
+    locals, freed when it returns or once its exception (an out-of-memory error, say) is handled.
+    """
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
     import dplightning
     from dplightning import modules
+
+    init = dict(config["model"]["init_args"])
+    if "optimizer" in init:  # the {class_path, init_args} mapping the CLI and the planner read, as a factory
+        init["optimizer"] = _optimizer_factory(init["optimizer"])
+    module_class = getattr(modules, config["model"]["class_path"].rsplit(".", 1)[1])
+    loader = DataLoader(_token_rows(spec, spec.batch * (steps + 1)), batch_size=spec.batch, shuffle=True)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    with ctx.place.device:
+        module = module_class(**init)
+    trainer = pl.Trainer(
+        accelerator=ctx.place.accelerator, devices=1, precision=ctx.place.precision, max_steps=steps,
+        strategy=dplightning.DPStrategy(**config["trainer"]["strategy"]["init_args"]), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module, loader)
+
+
+def _optimizer_factory(section: dict[str, Any]) -> Callable[..., torch.optim.Optimizer]:
+    """``{"class_path": ..., "init_args": ...}`` as ``params -> optimizer``."""
+    module_name, name = section["class_path"].rsplit(".", 1)
+    return functools.partial(getattr(importlib.import_module(module_name), name), **section.get("init_args", {}))
+
+
+def run_planner(ctx: Context, spec: ModelSpec, steps: int = 3) -> dict[str, Any]:
+    """The planner's peak for the spec's fit config against the measured peak of ``steps`` DP steps of it."""
     from dplightning.planning.memory import plan
 
     config = planner_config(spec, ctx.place)
     estimate = plan(config)
-    init = config["model"]["init_args"]
-    module_class = getattr(modules, config["model"]["class_path"].rsplit(".", 1)[1])
-    loader = DataLoader(_token_rows(spec, spec.batch * (steps + 1)), batch_size=spec.batch, shuffle=True)  # type: ignore[arg-type]
-    torch.manual_seed(0)
     with ctx.meter() as meter:
-        with ctx.place.device:
-            module = module_class(**init)
-        trainer = pl.Trainer(
-            accelerator=ctx.place.accelerator, devices=1, precision=ctx.place.precision, max_steps=steps,
-            strategy=dplightning.DPStrategy(**config["trainer"]["strategy"]["init_args"]), logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        )  # fmt: skip
-        trainer.fit(module, loader)
+        fit_config(ctx, spec, config, steps)
     error = estimate.peak / meter.peak_bytes - 1
     return {
         "model": spec.name, "config": config, "steps": steps, "estimated_peak_mib": estimate.peak / 2**20,
@@ -726,6 +772,206 @@ def run_muon(ctx: Context, spec: ModelSpec) -> dict[str, Any]:
     )
     return {"model": spec.name, "batch": spec.batch, "tokens": spec.tokens, "arms": arms, "time_ratios": ratios,
             "targets": MUON_TARGETS, "targets_met": met, "summary": summary}  # fmt: skip
+
+
+# ---------------------------------------------------------------- DP-GRAPE: memory against DP-Adam and the planner
+
+GRAPE_SHAPE = {"batch": 40, "tokens": 128}  # RoBERTa-large at the paper's memory comparison (24.4 GB vs 78.1 GB)
+GRAPE_OPTIMIZER = {
+    "class_path": "dplightning.optim.DPGrape",
+    "init_args": {"lr": 5e-4, "rank": 16, "refresh_every": 100},
+}
+GRAPE_ARMS = {  # arm: (DP-GRAPE rather than DP-Adam, clipping engine)
+    "dp_adam_auto": (False, "auto"), "dp_adam_instantiate": (False, "instantiate"),
+    "dp_grape_auto": (True, "auto"), "dp_grape_instantiate": (True, "instantiate"),
+}  # fmt: skip
+GRAPE_COST = {"dp_adam_auto": 1.0, "dp_adam_instantiate": 2.5, "dp_grape_auto": 1.5, "dp_grape_instantiate": 2.5}
+GRAPE_STEPS = 3
+GRAPE_MAX_ERROR = 0.20  # |planner / measured - 1| of every arm
+GRAPE_MAX_RATIO = 0.37  # peak(DP-GRAPE auto) / peak(DP-Adam instantiate); the paper's 24.4 / 78.1 = 0.31
+OPT_CAP_BYTES = 80e9  # an 80 GB GPU, as `memory-plan --gpu-memory 80GB` counts it (a real one has ~85e9)
+OPT_ARMS = {"dp_grape": (True, 24), "dp_adam": (False, 1)}  # arm: (DP-GRAPE, batch), 128 tokens, engine auto
+OPT_EXPECTED = {"dp_grape": "fit", "dp_adam": "out_of_memory"}  # DP-Adam's weights + states + buckets: 106 GB
+OPT_STEPS = 2  # both verification steps (autograd's full p.grad kept): the first steps' peak
+OPT_BUILD_S = 60.0  # per arm on the GPU: 6.7B parameters built, the Trainer's setup, the teardown's copy to the host
+
+
+def _opt_6_7b() -> dict[str, Any]:
+    from dplightning.planning.published import published_config
+
+    known = published_config("facebook/opt-6.7b")
+    if known is None:
+        raise RuntimeError("dplightning.planning.published has lost facebook/opt-6.7b's config.")
+    return known[1]  # OPTConfig: hidden 4096, 32 layers, 32 heads, FFN 16384, vocabulary 50272, 2048 positions
+
+
+def opt_spec(small: bool) -> ModelSpec:
+    """The OPT of the ``grape`` group: OPT-6.7B from its config, or a tiny OPT under ``--smoke``."""
+    batch = OPT_ARMS["dp_grape"][1]
+    if small:
+        config = {
+            "model_type": "opt",
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "ffn_dim": 64,
+            "word_embed_proj_dim": 32,
+            "vocab_size": 128,
+            "max_position_embeddings": 32,
+        }
+        return ModelSpec("opt_tiny", "OPT (2L-32), T=16", "causal_lm", config, batch=batch, tokens=16)
+    return ModelSpec("opt_6.7b", "OPT-6.7B (from its config), T=128", "causal_lm", _opt_6_7b(), batch=batch, tokens=128)
+
+
+def _weight_elements(config: dict[str, Any]) -> float:
+    """Matrix elements of a transformer config (layers x (4 h² + 2 h f) + vocabulary x h), to scale step times."""
+    from dplightning.modules.hf import build_config
+
+    c = build_config(config)
+    h = int(c.hidden_size)
+    f = int(getattr(c, "ffn_dim", None) or getattr(c, "intermediate_size", None) or 4 * h)
+    return float(int(c.num_hidden_layers) * (4 * h * h + 2 * h * f) + int(c.vocab_size) * h)
+
+
+def grape_config(spec: ModelSpec, place: Placement, grape: bool, engine: str) -> dict[str, Any]:
+    """The planner-row fit config with the clipping engine set and, for DP-GRAPE, its optimizer (r = 16)."""
+    config = planner_config(spec, place)
+    config["trainer"]["strategy"]["init_args"]["clipping_engine"] = engine
+    if grape:
+        config["model"]["init_args"]["optimizer"] = json.loads(json.dumps(GRAPE_OPTIMIZER))  # a copy
+    return config
+
+
+@register_group("grape")
+def grape_rows(ctx: Context) -> list[Row]:
+    """DP-GRAPE's memory against DP-Adam on RoBERTa-large (and the planner); OPT-6.7B in 80 GB, last."""
+    text = next(s for s in ctx.specs if s.kind == "text")
+    spec = text
+    if not ctx.small:
+        spec = dataclasses.replace(text, title=f"{text.title.split(',')[0]}, T={GRAPE_SHAPE['tokens']}", **GRAPE_SHAPE)
+    opt = opt_spec(ctx.small)
+    tokens = text.batch * text.tokens  # of the calibrated run
+
+    def estimate(c: Context, steps: int) -> float:
+        step_s = c.step_s(text.name, "dp_auto") * spec.batch * spec.tokens / tokens
+        return sum(c.setup_s(text.name) + (GRAPE_STEPS + 1) * step_s * GRAPE_COST[a] for a in GRAPE_ARMS)
+
+    def estimate_opt(c: Context, steps: int) -> float:
+        size = _weight_elements(opt.config) / _weight_elements(text.config) * opt.batch * opt.tokens / tokens
+        build = c.setup_s(text.name) + (0.0 if c.small else OPT_BUILD_S)
+        # 3x dp_auto's step: verification steps (autograd's gradient too) and the regenerated projections
+        return len(OPT_ARMS) * build + (OPT_STEPS + 1) * 3 * c.step_s(text.name, "dp_auto") * size
+
+    return [
+        Row(f"grape/{spec.name}", "grape", lambda c, limit: run_grape(c, spec), estimate, 3, scales=False),
+        Row(f"grape/{opt.name}", "grape", lambda c, limit: run_grape_opt(c, opt), estimate_opt, 4, scales=False),
+    ]
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def grape_arm(
+    ctx: Context, spec: ModelSpec, config: dict[str, Any], steps: int, oom_expected: bool = False
+) -> dict[str, Any]:
+    """One arm: the planner's estimate of ``config`` and the measured peak of ``steps`` DP steps of it.
+
+    With ``oom_expected`` an out-of-memory error is the arm's recorded outcome (``out_of_memory``,
+    the peak reached before it) instead of a failed row; the memory is freed either way.
+    """
+    from dplightning.planning.memory import plan
+
+    strategy = config["trainer"]["strategy"]["init_args"]
+    result: dict[str, Any] = {
+        "optimizer": config["model"]["init_args"].get("optimizer", {}).get("class_path", "torch.optim.AdamW"),
+        "engine": strategy["clipping_engine"], "batch": spec.batch, "tokens": spec.tokens, "steps": steps,
+        "estimated_peak_mib": None, "peak_phase": None, "planner_error": None,
+    }  # fmt: skip
+    try:
+        estimate = plan(config)
+        result.update(estimated_peak_mib=estimate.peak / 2**20, peak_phase=estimate.peak_phase)
+    except Exception as error:  # an arm the planner cannot express: recorded with why, the arm still measured
+        result["planner_error"] = f"{type(error).__name__}: {error}"[:500]
+    outcome, why = "fit", None
+    with ctx.meter() as meter:
+        try:
+            fit_config(ctx, spec, config, steps)
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
+            if not (oom_expected and _is_oom(error)):
+                raise
+            outcome, why = "out_of_memory", scrub(str(error))[:500]
+    if ctx.place.accelerator == "gpu":
+        result["reserved_peak_mib"] = _cuda_peak_reserved() / 2**20
+    _release_memory()
+    measured = meter.peak_bytes / 2**20
+    planned = result["estimated_peak_mib"]
+    relative = planned / measured - 1 if planned and outcome == "fit" else None  # an OOM's peak is a lower bound
+    result.update(outcome=outcome, oom_message=why, measured_peak_mib=measured, relative_error=relative,
+                  allocated_before_mib=meter.before_bytes / 2**20)  # fmt: skip
+    return result
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:+.0f} %"
+
+
+def run_grape(ctx: Context, spec: ModelSpec) -> dict[str, Any]:
+    """DP-Adam and DP-GRAPE, engines auto and instantiate, one after another: peaks, planner errors, the checks."""
+    arms = {}
+    for arm, (grape, engine) in GRAPE_ARMS.items():
+        arms[arm] = grape_arm(ctx, spec, grape_config(spec, ctx.place, grape, engine), GRAPE_STEPS)
+    ratio = arms["dp_grape_auto"]["measured_peak_mib"] / arms["dp_adam_instantiate"]["measured_peak_mib"]
+    planned = [arms[a]["estimated_peak_mib"] for a in ("dp_grape_auto", "dp_adam_instantiate")]
+    within = {
+        a: r["relative_error"] is not None and abs(r["relative_error"]) <= GRAPE_MAX_ERROR for a, r in arms.items()
+    }
+    checks = {f"{arm}_error_within_{100 * GRAPE_MAX_ERROR:.0f}pct": ok for arm, ok in within.items()}
+    checks[f"grape_over_adam_instantiate_at_most_{GRAPE_MAX_RATIO}"] = ratio <= GRAPE_MAX_RATIO
+    errors = ", ".join(
+        f"{a.removeprefix('dp_').replace('_', ' ')} {_pct(r['relative_error'])}" for a, r in arms.items()
+    )
+    summary = (
+        f"peak DP-GRAPE auto / DP-Adam instantiate {ratio:.2f} (≤ {GRAPE_MAX_RATIO}: "
+        f"{'pass' if ratio <= GRAPE_MAX_RATIO else 'FAIL'}); planner error {errors} "
+        f"(|error| ≤ {100 * GRAPE_MAX_ERROR:.0f} %: {sum(within.values())}/{len(arms)} pass)"
+    )
+    return {
+        "model": spec.name, "batch": spec.batch, "tokens": spec.tokens, "optimizer": GRAPE_OPTIMIZER, "arms": arms,
+        "peak_ratio": ratio, "planned_ratio": planned[0] / planned[1] if all(planned) else None,
+        "thresholds": {"max_relative_error": GRAPE_MAX_ERROR, "max_peak_ratio": GRAPE_MAX_RATIO},
+        "checks": checks, "passed": all(checks.values()), "summary": summary,
+    }  # fmt: skip
+
+
+def run_grape_opt(ctx: Context, spec: ModelSpec) -> dict[str, Any]:
+    """OPT under an 80 GB cap: DP-GRAPE r = 16 at 24 x 128 tokens (expected to fit), DP-Adam at batch 1 (not)."""
+    gpu = ctx.place.accelerator == "gpu"
+    fraction = _cuda_cap_memory(OPT_CAP_BYTES) if gpu else None
+    arms: dict[str, dict[str, Any]] = {}
+    try:
+        for arm, (grape, batch) in OPT_ARMS.items():
+            arm_spec = dataclasses.replace(spec, batch=batch)
+            config = grape_config(arm_spec, ctx.place, grape, "auto")
+            arms[arm] = {
+                **grape_arm(ctx, arm_spec, config, OPT_STEPS, oom_expected=True),
+                "expected": OPT_EXPECTED[arm],
+            }
+    finally:  # the rows after this one get the whole GPU back
+        if gpu:
+            _cuda_uncap_memory()
+    checks = {f"{arm}_{OPT_EXPECTED[arm]}": res["outcome"] == OPT_EXPECTED[arm] for arm, res in arms.items()}
+    outcomes = "; ".join(
+        f"{a} B={r['batch']}: {r['outcome']} (expected {r['expected']}), peak {r['measured_peak_mib']:.0f} MiB, "
+        f"planned {_fmt(r['estimated_peak_mib'], 0)} MiB"
+        for a, r in arms.items()
+    )
+    cap = f"cap {OPT_CAP_BYTES / 1e9:.0f} GB" if gpu else "no cap on CPU (smoke: outcomes not expected to match)"
+    return {
+        "model": spec.name, "config": spec.config, "tokens": spec.tokens, "optimizer": GRAPE_OPTIMIZER,
+        "memory_cap_bytes": OPT_CAP_BYTES if gpu else None, "memory_fraction": fraction, "arms": arms,
+        "checks": checks, "passed": all(checks.values()), "summary": f"{cap}; {outcomes}",
+    }  # fmt: skip
 
 
 # ---------------------------------------------------------------- provenance and outputs
@@ -834,6 +1080,26 @@ def _planner_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _grape_table(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per arm (measured and planned peak, outcome), then each row's checks in its summary."""
+    out = ["| row | arm | batch x T | outcome | measured MiB | planned MiB | planner error | status |",
+           "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    notes = []
+    for r in rows:
+        res = r.get("result") if r["status"] == "ok" else None
+        if res is None:
+            out.append(f"| {r['name']} | — | — | — | — | — | — | {r['status']} |")
+            continue
+        for arm, a in res["arms"].items():
+            out.append(
+                f"| {r['name']} | {arm} | {a['batch']} x {a['tokens']} | {a['outcome']} | "
+                f"{_fmt(a['measured_peak_mib'], 0)} | {_fmt(a['estimated_peak_mib'], 0)} | "
+                f"{_pct(a['relative_error'])} | {r['status']} |"
+            )
+        notes.append(f"* `{r['name']}` ({'all checks pass' if res['passed'] else 'a check fails'}): {res['summary']}")
+    return [*out, "", *notes] if notes else out
+
+
 def _generic_table(rows: list[dict[str, Any]]) -> list[str]:
     out = ["| row | status | seconds | result |", "|---|---|---|---|"]
     for r in rows:
@@ -845,6 +1111,7 @@ def _generic_table(rows: list[dict[str, Any]]) -> list[str]:
 TABLES: dict[str, Callable[[list[dict[str, Any]]], list[str]]] = {
     "engines": _engines_table,
     "planner": _planner_table,
+    "grape": _grape_table,
 }
 """Markdown table of a group's rows; a group without one gets ``_generic_table``."""
 

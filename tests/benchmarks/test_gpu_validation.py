@@ -31,11 +31,11 @@ def gv(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return importlib.import_module("gpu_validation")
 
 
-def _context(gv: ModuleType, left_s: float = 100.0) -> Any:
+def _context(gv: ModuleType, left_s: float = 100.0, small: bool = True) -> Any:
     from engines import Placement
 
     ctx = gv.Context(
-        place=Placement("cpu", "bf16-mixed"), small=True, specs=gv.model_specs(True),
+        place=Placement("cpu", "bf16-mixed"), small=small, specs=gv.model_specs(small),
         deadline=time.monotonic() + left_s, warmup=2, steps=1, step_range=(1, 9), invariant_estimate_s=5.0,
         invariant_limit_s=5.0,
     )  # fmt: skip
@@ -85,6 +85,24 @@ def test_smoke_run_measures_every_row_and_writes_the_records(tmp_path: Path) -> 
         assert len(res["step_ms"]) == budget["steps"] and res["median_ms"] > 0 and res["peak_mib"] > 0
         assert (arm == "dp_adam") != (0 < res["dp_metrics"].get("muon/noise_ratio_p50", 0))  # r̂ from the Muon arms
     assert muon["arms"]["dp_muonbc"]["dp_metrics"]["muon/bc_fraction"] == 1.0  # no guard: BC on every matrix-step
+    grape = rows["grape/roberta"]["result"]  # DP-Adam and DP-GRAPE, engines auto and instantiate, and the planner
+    assert set(grape["arms"]) == {"dp_adam_auto", "dp_adam_instantiate", "dp_grape_auto", "dp_grape_instantiate"}
+    for arm, res in grape["arms"].items():
+        assert res["outcome"] == "fit" and res["steps"] == 3 and res["measured_peak_mib"] > 0
+        assert res["planner_error"] is None and res["estimated_peak_mib"] > 0 and math.isfinite(res["relative_error"])
+        assert res["engine"] == arm.rsplit("_", 1)[1] and res["optimizer"].endswith("DPGrape") == ("grape" in arm)
+    assert len(grape["checks"]) == 5 and all(isinstance(ok, bool) for ok in grape["checks"].values())
+    assert grape["passed"] == all(grape["checks"].values())
+    peaks = {arm: res["measured_peak_mib"] for arm, res in grape["arms"].items()}
+    assert grape["peak_ratio"] == pytest.approx(peaks["dp_grape_auto"] / peaks["dp_adam_instantiate"])
+    assert grape["peak_ratio"] < 1  # projected slots instead of formed per-example gradients, even at tiny sizes
+    opt = rows["grape/opt_tiny"]["result"]  # OPT: DP-GRAPE at batch 24, DP-Adam at batch 1 (no cap on CPU)
+    assert opt["memory_cap_bytes"] is None and {a: r["batch"] for a, r in opt["arms"].items()} == {
+        "dp_grape": 24, "dp_adam": 1}  # fmt: skip
+    for res in opt["arms"].values():
+        assert res["outcome"] == "fit" and res["steps"] == 2 and res["measured_peak_mib"] > 0
+        assert res["estimated_peak_mib"] > 0 and res["oom_message"] is None
+    assert opt["checks"] == {"dp_grape_fit": True, "dp_adam_out_of_memory": False} and not opt["passed"]
     invariants = rows["invariants"]["result"]
     assert invariants["passed"] >= 1 and invariants["failed"] == 0 and invariants["returncode"] == 0
     for r in rows.values():
@@ -93,6 +111,10 @@ def test_smoke_run_measures_every_row_and_writes_the_records(tmp_path: Path) -> 
     table = (out / "gpu_validation.md").read_text()
     assert "| model | runner | median ms |" in table and "| model | estimate MiB | measured MiB |" in table
     assert all(f"| {e['model']} | {e['runner']} |" in table for e in engines)
+    assert (
+        "| grape/roberta | dp_grape_auto | 16 x 16 | fit |" in table
+        and "| grape/opt_tiny | dp_adam | 1 x 16 |" in table
+    )
     assert "incomplete" not in table
 
 
@@ -176,6 +198,59 @@ def test_gpu_sizes_build_and_plan(gv: ModuleType) -> None:
             assert p.physical_batch == spec.batch and p.tokens == spec.tokens and p.peak > 0
     # GPT-2 124M with its own 38.6M-parameter head; ViT-B/16; RoBERTa-large with a 10-class head
     assert millions == pytest.approx({"gpt2": 163.0, "vit_b16": 85.8, "roberta_large": 355.4}, abs=0.1)
+
+
+def test_grape_arm_records_an_expected_out_of_memory(gv: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OPT row's DP-Adam arm on the GPU: the CUDA OOM is its outcome, any other error fails the row."""
+    import torch
+
+    def oom(*args: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("no kernel image")
+
+    ctx = _context(gv)
+    spec = gv.opt_spec(small=True)
+    config = gv.grape_config(spec, ctx.place, grape=False, engine="auto")
+    monkeypatch.setattr(gv, "fit_config", oom)
+    res = gv.grape_arm(ctx, spec, config, 2, oom_expected=True)
+    assert res["outcome"] == "out_of_memory" and "Tried to allocate" in res["oom_message"]
+    assert res["relative_error"] is None and res["estimated_peak_mib"] > 0  # an OOM's peak is no point to compare
+    with pytest.raises(torch.OutOfMemoryError):
+        gv.grape_arm(ctx, spec, config, 2)  # the RoBERTa arms: an OOM is a failure
+    monkeypatch.setattr(gv, "fit_config", broken)
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        gv.grape_arm(ctx, spec, config, 2, oom_expected=True)
+
+
+def test_grape_rows_at_gpu_sizes(gv: ModuleType) -> None:
+    """What the GPU run of the grape group relies on: its shapes, the planner's verdicts, OPT-6.7B's config, order."""
+    import dataclasses
+
+    from engines import Placement
+
+    from dplightning.modules.hf import build_config
+    from dplightning.planning.memory import plan
+
+    ctx = _context(gv, small=False)
+    rows = gv.grape_rows(ctx)
+    assert [r.name for r in rows] == ["grape/roberta_large", "grape/opt_6.7b"]
+    assert rows[1].priority > rows[0].priority and rows[1].estimate(ctx, 3) > rows[0].estimate(ctx, 3)
+    opt = gv.opt_spec(small=False)
+    c = build_config(opt.config)
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.ffn_dim, c.vocab_size) == (
+        4096, 32, 32, 16384, 50272)  # fmt: skip
+    assert (c.max_position_embeddings, c.word_embed_proj_dim, opt.tokens) == (2048, 4096, 128)
+    gpu = Placement("gpu", "bf16-mixed")
+    peaks = {arm: plan(gv.grape_config(dataclasses.replace(opt, batch=b), gpu, g, "auto")).peak
+             for arm, (g, b) in gv.OPT_ARMS.items()}  # fmt: skip
+    assert peaks["dp_grape"] < gv.OPT_CAP_BYTES < peaks["dp_adam"]  # the planner agrees with the expected outcomes
+    roberta = next(s for s in gv.model_specs(small=False) if s.kind == "text")
+    roberta = dataclasses.replace(roberta, **gv.GRAPE_SHAPE)
+    planned = {arm: plan(gv.grape_config(roberta, gpu, g, e)) for arm, (g, e) in gv.GRAPE_ARMS.items()}
+    assert all(p.physical_batch == 40 and p.tokens == 128 for p in planned.values())
+    assert planned["dp_grape_auto"].peak / planned["dp_adam_instantiate"].peak <= gv.GRAPE_MAX_RATIO
 
 
 def test_scrub_removes_machine_paths(gv: ModuleType) -> None:
