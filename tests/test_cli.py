@@ -14,9 +14,12 @@ from dplightning.cli import build_cli
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 OVERLAYS = sorted((CONFIG_DIR / "cluster").glob("*.yaml"))  # trainer-only files, combined with a task config
 MODEL_OVERLAYS = {CONFIG_DIR / "finetune" / "lora_encoder.yaml": CONFIG_DIR / "finetune" / "sst2_minilm.yaml"}
-# configs/muon/<task>_<optimizer>.yaml switches the optimizer of configs/finetune/<task>.yaml.
+# configs/muon/<task>_<optimizer>.yaml switches the optimizer of configs/finetune/<task>.yaml; the
+# other files there are whole configs (a misnamed overlay is one too, and fails to parse on its own).
 OPTIMIZER_OVERLAYS = {
-    c: CONFIG_DIR / "finetune" / f"{c.stem.rsplit('_', 1)[0]}.yaml" for c in sorted(CONFIG_DIR.glob("muon/*.yaml"))
+    c: task
+    for c in sorted(CONFIG_DIR.glob("muon/*.yaml"))
+    if (task := CONFIG_DIR / "finetune" / f"{c.stem.rsplit('_', 1)[0]}.yaml").exists()
 }
 CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - set(OVERLAYS) - set(MODEL_OVERLAYS) - set(OPTIMIZER_OVERLAYS))
 QUICKSTART = CONFIG_DIR / "quickstart.yaml"
