@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import math
 import statistics
 import tempfile
@@ -79,7 +78,7 @@ from unittest import mock
 
 import lightning.pytorch as pl
 import torch
-import yaml
+from _configs import config_digest, optimizer_overlay
 from _protocol import Arm, Criterion, Experiment, run_experiment
 from torch.utils.data import DataLoader, Dataset
 
@@ -161,11 +160,6 @@ class BatchRows(pl.Callback):
         self.rows.append(len(batch[1]))
 
 
-def overlay(fixed: Mapping[str, Any]) -> str:
-    """A YAML config that sets the optimizer's ``init_args`` (typed values, unlike the command line)."""
-    return yaml.safe_dump({"model": {"init_args": {"optimizer": {"init_args": dict(fixed)}}}}, sort_keys=True)
-
-
 def evaluate(module: torch.nn.Module, dataset: Dataset) -> dict[str, float]:
     """Accuracy on ``dataset`` and the share of its most frequent predicted class (1.0: collapsed)."""
     module.eval()
@@ -191,7 +185,7 @@ def cli_args(
     """The ``build_cli`` arguments of one run; its optimizer overlay is written to ``folder``."""
     optimizer, strategy = split_hparams(hparams)
     extra = folder / "arm.yaml"
-    extra.write_text(overlay({**spec.fixed, **optimizer}))
+    extra.write_text(optimizer_overlay({**spec.fixed, **optimizer}))
     clip = strategy.get("max_grad_norm", MAX_GRAD_NORM)
     return [
         "--config", str(ROOT / spec.config), "--config", str(extra),
@@ -271,11 +265,6 @@ def runner(spec: ArmSpec, epochs: int, accountant: str, memo: bool = False) -> A
         return run_arm(spec, hparams, seed, split, epochs, accountant, memo)
 
     return run
-
-
-def config_digest(path: str) -> str:
-    """The parsed config (comments ignored), so that a changed setting cannot resume an old record."""
-    return json.dumps(yaml.safe_load((ROOT / path).read_text()), sort_keys=True)
 
 
 def experiment(smoke: bool = False, arms: Sequence[str] | None = None) -> Experiment:

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import statistics
 import tempfile
 import time
@@ -70,7 +69,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import yaml
+from _configs import config_digest, optimizer_overlay
 from _protocol import Arm, Criterion, Experiment, run_experiment
 from torch.utils.data import DataLoader, Dataset
 
@@ -155,11 +154,6 @@ class RunStats(pl.Callback):
         self.ratios += [float(ratio) for ratio, _ in ratios.values()]
 
 
-def overlay(fixed: Mapping[str, Any]) -> str:
-    """A YAML config that sets the optimizer's ``init_args`` (``None`` included, unlike the command line)."""
-    return yaml.safe_dump({"model": {"init_args": {"optimizer": {"init_args": dict(fixed)}}}}, sort_keys=True)
-
-
 def accuracy(module: torch.nn.Module, dataset: Dataset) -> float:
     """Fraction of ``dataset``'s images the model classifies right."""
     module.eval()
@@ -176,7 +170,7 @@ def cli_args(
 ) -> list[str]:
     """The ``build_cli`` arguments of one run; its optimizer overlay is written to ``folder``."""
     extra = folder / "arm.yaml"
-    extra.write_text(overlay({**spec.fixed, **hparams}))
+    extra.write_text(optimizer_overlay({**spec.fixed, **hparams}))
     return [
         "--config", str(ROOT / spec.config), "--config", str(extra),
         f"--seed_everything={seed}", f"--trainer.strategy.init_args.seed={seed}",
@@ -230,11 +224,6 @@ def runner(spec: ArmSpec, epochs: int, accountant: str) -> Any:
         return run_arm(spec, hparams, seed, split, epochs, accountant)
 
     return run
-
-
-def config_digest(path: str) -> str:
-    """The parsed config (comments ignored), so that a changed setting cannot resume an old record."""
-    return json.dumps(yaml.safe_load((ROOT / path).read_text()), sort_keys=True)
 
 
 def experiment(smoke: bool = False, arms: Sequence[str] | None = None) -> Experiment:

@@ -79,7 +79,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import yaml
+from _configs import config_digest, optimizer_overlay
 from _protocol import Arm, Criterion, Experiment, run_experiment, validation_split
 from torch.utils.data import DataLoader
 
@@ -296,16 +296,10 @@ class RunStats(pl.Callback):
         self.ratios += [float(ratio) for ratio, _ in ratios.values()]
 
 
-def overlay(spec: ArmSpec, hparams: Mapping[str, Any]) -> str:
-    """A YAML config replacing the config's optimizer block with the arm's class and arguments."""
-    optimizer = {"class_path": spec.optimizer, "init_args": {**spec.fixed, **hparams}}
-    return yaml.safe_dump({"model": {"init_args": {"optimizer": optimizer}}}, sort_keys=True)
-
-
 def cli_args(spec: ArmSpec, hparams: Mapping[str, Any], seed: int, design: Design, folder: Path) -> list[str]:
     """The ``build_cli`` arguments of one run reading its data from ``folder`` (the overlay is written there)."""
     extra = folder / "arm.yaml"
-    extra.write_text(overlay(spec, hparams))
+    extra.write_text(optimizer_overlay({**spec.fixed, **hparams}, spec.optimizer))
     return [
         "--config", str(ROOT / CONFIG), "--config", str(extra),
         f"--seed_everything={seed}", f"--trainer.strategy.init_args.seed={seed}",
@@ -430,7 +424,7 @@ def experiment(
         },
         "metric": "plain accuracy (fraction right)", "pairing": PAIRING, "threads": 1,
         "arms": {a.name: {"optimizer": a.optimizer, "fixed": dict(a.fixed)} for a in specs},
-        "config": json.dumps(yaml.safe_load((ROOT / CONFIG).read_text()), sort_keys=True),
+        "config": config_digest(CONFIG),
     }  # fmt: skip
     return Experiment(
         name=experiment_name(design, smoke, controls),
