@@ -67,7 +67,7 @@ from scipy import stats
 
 LEVEL = 0.90  # two-sided level of every paired interval; its lower bound decides a claim
 MIN_FINAL_SEEDS = 5
-SELECT, FINAL = "select", "final"
+SELECT, FINAL, RECHECK = "select", "final", "recheck"
 VAL, TEST = "val", "test"
 PAIRING = (
     "Final runs are paired: seed s gives every arm the same Poisson sampling and noise seeds "
@@ -259,6 +259,7 @@ def run_experiment(
     figures: Path | None = None,
     threads: int | None = None,
     workers: int = 1,
+    borrow: Mapping[str, Path] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) an experiment and write its JSON, markdown table and figure.
 
@@ -270,18 +271,26 @@ def run_experiment(
         workers: Runs at once, each in a forked worker process (the selection runs of every arm
             together, then the final runs); this process alone writes the record, after every
             run. Results do not depend on it: each run is fixed by its arm, hyperparameters and seed.
+        borrow: ``{arm name: record path}``: take that arm's selection and final runs from another
+            experiment's record instead of running them (see :func:`borrow_runs`), so a new arm is
+            paired with runs already made. The arm's first final seed is rerun here (phase
+            "recheck"); a rerun that does not reproduce the borrowed metric exactly stops the
+            experiment, since the pairing would then be void.
 
     Returns:
         The record as written to the JSON.
 
     Raises:
         ProtocolError: The record at ``out`` has other settings, or other criteria once its
-            final runs have started, or a run returned no ``metric``.
+            final runs have started, or a run returned no ``metric``, or a borrowed arm's record
+            does not match or does not reproduce.
     """
     if workers < 1:
         raise ProtocolError(f"workers must be >= 1, got {workers}")
     out = out or default_result(f"{experiment.name}.json")
     record = _load_or_start(experiment, out, threads)
+    for name, path in (borrow or {}).items():
+        borrow_runs(experiment, record, name, path)
     done = {_key(r["phase"], r["arm"], r["hparams"], r["seed"]): r for r in record["runs"]}
 
     def keep(run: dict[str, Any]) -> None:
@@ -301,13 +310,71 @@ def run_experiment(
     _start_final(experiment, record, out)
     # Seed-major, so a crash leaves complete pairs behind.
     selected = {a.name: record["selection"][a.name]["hparams"] for a in experiment.arms}
-    run_all([(a, FINAL, selected[a.name], s) for s in experiment.final_seeds for a in experiment.arms])
+    first = experiment.final_seeds[0]
+    rechecks = [(a, RECHECK, selected[a.name], first) for a in experiment.arms if a.name in (borrow or {})]
+    run_all(rechecks + [(a, FINAL, selected[a.name], s) for s in experiment.final_seeds for a in experiment.arms])
+    for arm, _, hparams, seed in rechecks:
+        _check_reproduced(experiment, record, done, arm.name, hparams, seed, out)
     record.update(_results(experiment, record))
     record["status"] = "complete"
     _write_json(out, record)
     _write_markdown(out.with_suffix(".md"), record)
     _write_figure((figures or default_figures()) / f"{experiment.name}.png", record)
     return record
+
+
+def borrow_runs(experiment: Experiment, record: dict[str, Any], arm: str, path: Path) -> None:
+    """Copy ``arm``'s selection and final runs from the record at ``path`` into ``record``.
+
+    Refused unless the other record is complete and its experiment matches this one on
+    everything the arm's runs depend on: the metric and its direction, the tuning and final
+    seeds, the arm's grid, and every setting (``settings["arms"]`` compared for this arm only).
+    Copied runs keep their metrics and carry ``borrowed_from`` (the other experiment, its digest
+    and commit); the provenance goes to ``record["borrowed"]``.
+    """
+    other = json.loads(Path(path).read_text())
+    mine, theirs = experiment.identity(), other.get("identity", {})
+    if other.get("status") != "complete":
+        raise ProtocolError(f"cannot borrow {arm!r} from {path}: that experiment is not complete")
+
+    def shared(identity: Mapping[str, Any]) -> dict[str, Any]:
+        settings = dict(identity.get("settings", {}))
+        arms = settings.pop("arms", {})
+        return {
+            "metric": identity.get("metric"), "higher_is_better": identity.get("higher_is_better"),
+            "tuning_seeds": identity.get("tuning_seeds"), "final_seeds": identity.get("final_seeds"),
+            "grid": identity.get("arms", {}).get(arm),
+            "arm_settings": arms.get(arm) if isinstance(arms, Mapping) else None, "settings": settings,
+        }  # fmt: skip
+
+    if arm not in mine["arms"] or shared(mine) != shared(theirs):
+        differs = sorted(k for k, v in shared(mine).items() if shared(theirs).get(k) != v)
+        raise ProtocolError(f"cannot borrow {arm!r} from {path}: the experiments differ in {differs or ['arms']}")
+    source = {"experiment": other["experiment"], "digest": other["digest"],
+              "commit": other["environment"]["dplightning"]["commit"]}  # fmt: skip
+    have = {_key(r["phase"], r["arm"], r["hparams"], r["seed"]) for r in record["runs"]}
+    for run in other["runs"]:
+        if run["arm"] == arm and run["phase"] in (SELECT, FINAL):
+            if _key(run["phase"], arm, run["hparams"], run["seed"]) not in have:
+                record["runs"].append({**run, "borrowed_from": source})
+    record.setdefault("borrowed", {})[arm] = {**source, "path": Path(path).name}
+
+
+def _check_reproduced(
+    experiment: Experiment, record: dict[str, Any], done: Mapping[str, Any], arm: str,
+    hparams: Mapping[str, Any], seed: int, out: Path,
+) -> None:  # fmt: skip
+    """Compare a borrowed final run with its rerun here; store the check, and stop if they differ."""
+    borrowed = done[_key(FINAL, arm, hparams, seed)]["metrics"][experiment.metric]
+    rerun = done[_key(RECHECK, arm, hparams, seed)]["metrics"][experiment.metric]
+    record["borrowed"][arm]["recheck"] = {"seed": seed, "borrowed": borrowed, "rerun": rerun,
+                                          "reproduced": borrowed == rerun}  # fmt: skip
+    _write_json(out, record)
+    if borrowed != rerun:
+        raise ProtocolError(
+            f"{arm!r}: the borrowed final run at seed {seed} gave {experiment.metric}={borrowed}, a rerun here "
+            f"{rerun}: the runs are not reproducible, so borrowing them would not pair them; run the arm instead"
+        )
 
 
 Job = tuple[Arm, str, Mapping[str, Any], int]  # arm, phase, hyperparameters, seed
@@ -493,6 +560,14 @@ def _write_markdown(path: Path, record: Mapping[str, Any]) -> None:
     for p in record["pairs"]:
         lines.append(f"| {p['a']} - {p['b']} | {p['mean']:+.4f} | {p['sd']:.4f} | "
                      f"[{p['low']:+.4f}, {p['high']:+.4f}] | {p['verdict']} |")  # fmt: skip
+    for name, source in record.get("borrowed", {}).items():
+        check = source.get("recheck", {})
+        lines += [
+            "",
+            f"{name}: runs borrowed from `{source['path']}` (commit {source['commit'] or 'unknown'}); "
+            f"its seed-{check.get('seed')} final run rerun here gave {check.get('rerun')} against "
+            f"{check.get('borrowed')} borrowed ({'' if check.get('reproduced') else 'NOT '}reproduced).",
+        ]
     edges = [name for name, sel in record["selection"].items() if sel.get("at_grid_edge")]
     if edges:
         lines += ["", f"Selected at an end of its pre-registered grid (optimum maybe outside it): {', '.join(edges)}."]

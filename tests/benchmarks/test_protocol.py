@@ -284,3 +284,51 @@ def test_non_inferiority_on_a_loss_uses_the_improvement(proto: ModuleType, tmp_p
     assert not superior["passed"] and "not shown at this scale" in superior["verdict"]
     with pytest.raises(proto.ProtocolError, match="margin"):
         proto.Criterion("A", "B", mean_margin=0.03)
+
+
+def three_arms(proto: ModuleType, name: str, calls: list, settings: dict[str, Any], c_offset: float = 0.05) -> Any:
+    """Arms A and B as in :func:`experiment` plus a new arm C; B is the arm another record lends."""
+    arms = [proto.Arm(n, arm_fn(o, 0.01, calls, n), GRID) for n, o in (("B", 0.0), ("C", c_offset))]
+    return proto.Experiment(name=name, arms=arms, metric="accuracy", criteria=[proto.Criterion("C", "B")],
+                            settings=settings)  # fmt: skip
+
+
+def test_a_borrowed_arm_is_not_rerun_and_gives_the_record_it_would_have(proto: ModuleType, tmp_path: Path) -> None:
+    settings = {"data": "x", "arms": {"A": "adam", "B": "muon"}}
+    run(proto, experiment(proto, 0.0, [], name="old", settings=settings), tmp_path)
+    calls: list = []
+    new_settings = {"data": "x", "arms": {"B": "muon", "C": "grape"}}
+    borrowed = proto.run_experiment(
+        three_arms(proto, "new", calls, new_settings), out=tmp_path / "new.json", figures=tmp_path,
+        borrow={"B": tmp_path / "old.json"},
+    )  # fmt: skip
+    # B ran once here, the recheck of its first final seed on the test split; C ran fully.
+    assert [c for c in calls if c[0] == "B"] == [("B", 0.01, 0, "test")]
+    assert borrowed["borrowed"]["B"]["recheck"]["reproduced"] is True
+    assert all(r.get("borrowed_from", {}).get("experiment") == "old" for r in borrowed["runs"] if r["arm"] == "B"
+               and r["phase"] != "recheck")  # fmt: skip
+    fresh = run(proto, three_arms(proto, "fresh", [], new_settings), tmp_path)
+    assert borrowed["arms"] == fresh["arms"] and borrowed["criteria"] == fresh["criteria"]
+    assert "borrowed from `old.json`" in (tmp_path / "new.md").read_text()
+
+
+def test_borrowing_from_another_setting_or_an_unreproducible_run_is_refused(proto: ModuleType, tmp_path: Path) -> None:
+    run(proto, experiment(proto, 0.0, [], name="old", settings={"data": "x", "arms": {"B": "muon"}}), tmp_path)
+    old = tmp_path / "old.json"
+    for settings, why in (({"data": "y", "arms": {"B": "muon"}}, "settings"),
+                          ({"data": "x", "arms": {"B": "muon-flat"}}, "arm_settings")):  # fmt: skip
+        with pytest.raises(proto.ProtocolError, match=why):
+            proto.run_experiment(three_arms(proto, "n", [], settings), out=tmp_path / "n.json", borrow={"B": old})
+    record = json.loads(old.read_text())
+    for r in record["runs"]:  # the lender's final runs no longer match what the arm gives now
+        if r["arm"] == "B" and r["phase"] == "final":
+            r["metrics"]["accuracy"] += 0.001
+    old.write_text(json.dumps(record))
+    with pytest.raises(proto.ProtocolError, match="not reproducible"):
+        proto.run_experiment(three_arms(proto, "m", [], {"data": "x", "arms": {"B": "muon"}}),
+                             out=tmp_path / "m.json", borrow={"B": old})  # fmt: skip
+    record["status"] = "final"
+    old.write_text(json.dumps(record))
+    with pytest.raises(proto.ProtocolError, match="not complete"):
+        proto.run_experiment(three_arms(proto, "k", [], {"data": "x", "arms": {"B": "muon"}}),
+                             out=tmp_path / "k.json", borrow={"B": old})  # fmt: skip
