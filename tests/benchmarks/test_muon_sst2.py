@@ -194,3 +194,38 @@ def test_smoke_run_records_selection_on_val_and_paired_final_runs_on_test(ms: Mo
     assert len(record["pairs"]) == 1 and record["pairs"][0]["n"] == 5
     assert record["criteria"][0]["better"] == "DP-Muon" and record["criteria"][0]["worse"] == "DP-Adam"
     assert (tmp_path / "muon_sst2_smoke.md").exists() and (tmp_path / "fig" / "muon_sst2_cpu_smoke.png").exists()
+
+
+@needs_data
+@needs_minilm
+def test_the_grape_experiment_borrows_dp_adam_from_the_committed_muon_record(ms: ModuleType) -> None:
+    """``--grape``: DP-Adam as registered for DP-Muon (so borrowable) and DP-GRAPE JL r16 with its own grid."""
+    import _protocol
+
+    exp = ms.experiment(data=DATA, grape=True)
+    assert exp.name == "grape_sst2_cpu" and [a.name for a in exp.arms] == ["DP-Adam", "DP-GRAPE JL r16"]
+    assert list(exp.arms[1].grid) == [{"lr": v} for v in (5e-4, 1e-3, 2e-3)]
+    assert [(c.better, c.worse, c.margin, c.mean_margin) for c in exp.criteria] == [
+        ("DP-GRAPE JL r16", "DP-Adam", 0.05, 0.03)
+    ]
+    record: dict = {"runs": []}
+    _protocol.borrow_runs(exp, record, "DP-Adam", ROOT / "benchmarks" / "results" / "muon_sst2_cpu.json")
+    phases = sorted((r["phase"], r["seed"]) for r in record["runs"])
+    assert phases == [("final", s) for s in range(5)] + [("select", 100)] * 3
+    with pytest.raises(_protocol.ProtocolError, match="differ"):  # a changed setting voids the borrow
+        _protocol.borrow_runs(ms.experiment(data=DATA, grape=True, steps=61), {"runs": []}, "DP-Adam",
+                              ROOT / "benchmarks" / "results" / "muon_sst2_cpu.json")  # fmt: skip
+
+
+@needs_minilm
+def test_the_grape_arm_builds_dpgrape_at_the_jl_default(ms: ModuleType, tmp_path: Path) -> None:
+    from dplightning.cli import build_cli
+    from dplightning.optim import DPGrape
+
+    (spec,) = ms.GRAPE_ARMS
+    cli = build_cli(ms.cli_args(spec, spec.grid()[-1], 3, ms.Design(), tmp_path), run=False)
+    optimizer = cli.model.optimizer(cli.model.parameters())
+    assert isinstance(optimizer, DPGrape)
+    assert (optimizer.rank, optimizer.projection_std, optimizer.scale, optimizer.refresh_every) == (16, "jl", 1.0, 100)
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (2e-3, (0.9, 0.999), 1e-8, 0.0)
