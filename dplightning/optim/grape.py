@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from dplightning.optim._adam import adam_direction
 from dplightning.optim._release import closure_and_release
+from dplightning.privacy.grad_sample.engines import factors_matrix
 from dplightning.privacy.grad_sample.grads import Factored
 from dplightning.privacy.grad_sample.transforms import Projection, SlotTransform
 from dplightning.privacy.noise import derive_seed
@@ -266,6 +267,4 @@ class DPGrape(torch.optim.Optimizer):
 
 
 def _is_projectable_layer(layer: nn.Module, p: nn.Parameter) -> bool:
-    cls = type(layer)
-    hf_conv1d = cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
-    return (isinstance(layer, nn.Linear) or hf_conv1d) and p is layer.weight
+    return factors_matrix(layer) and p is layer.weight

@@ -27,7 +27,7 @@ from dplightning.optim.bias_correction import MOMENTUM_FORMS, MomentumForm, mome
 from dplightning.optim.newton_schulz import NORMALIZATIONS, Normalization
 from dplightning.optim.newton_schulz import ns_coefficients as resolve_coefficients
 from dplightning.privacy.clipping import ClipGroup
-from dplightning.privacy.grad_sample.engines import _is_hf_conv1d
+from dplightning.privacy.grad_sample.engines import is_hf_conv1d
 from dplightning.protocols import DPPlan, DPRelease
 
 DEFAULT_EXCLUDE: tuple[str, ...] = ("embed", "wte", "wpe", "head", "classifier", "score", "shared")
@@ -183,7 +183,7 @@ class DPMuon(torch.optim.Optimizer):
 
         The DP strategies call it before :meth:`dp_plan`; without one, call it once with the model.
         """
-        self._stored_transposed = {m.weight for m in module.modules() if _is_hf_conv1d(m)}
+        self._stored_transposed = {m.weight for m in module.modules() if is_hf_conv1d(m)}
 
     def dp_plan(self, named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> DPPlan:
         """Each Muon matrix its own clip group, the other parameters one group (or all one, ``"flat"``); Δ = C."""

@@ -311,11 +311,11 @@ _FP32_INPUT = re.compile(r"(q_proj|k_proj|v_proj|c_attn|query|key|value|fc1|c_fc
 def _widths(module: Any) -> tuple[str, int, int]:
     from torch import nn
 
-    from dplightning.privacy.grad_sample.engines import _is_hf_conv1d
+    from dplightning.privacy.grad_sample.engines import is_hf_conv1d
 
     if isinstance(module, nn.Linear):
         return "linear", module.in_features, module.out_features
-    if _is_hf_conv1d(module):
+    if is_hf_conv1d(module):
         return "linear", module.weight.shape[0], module.weight.shape[1]
     if isinstance(module, nn.Embedding):
         return "embedding", 0, module.embedding_dim

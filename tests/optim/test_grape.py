@@ -380,3 +380,17 @@ def test_the_vit_configs_differ_only_in_the_optimizer_class() -> None:
     assert adam["model"]["init_args"]["optimizer"].pop("class_path") == "torch.optim.AdamW"
     assert grape["model"]["init_args"]["optimizer"].pop("class_path") == "dplightning.optim.DPGrape"
     assert yaml.safe_dump(adam) == yaml.safe_dump(grape)
+
+
+def test_a_linear_subclass_with_its_own_forward_is_not_projected() -> None:
+    """Selection follows the engines: a layer they do not factor would form its per-example gradients anyway."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    net = nn.Sequential(nn.Linear(8, 8), Scaled(8, 8), nn.Linear(8, 2))
+    opt = DPGrape(net.parameters(), rank=4, exclude=())
+    opt.dp_bind_module(net)
+    opt.dp_plan(list(net.named_parameters()), 1.0)
+    assert {proj.name for proj in opt.projections.values()} == {"0.weight"}  # "2.weight": 2 < r rows

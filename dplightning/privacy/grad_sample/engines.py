@@ -130,7 +130,8 @@ def _conv(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, Te
     return Factored(d, cols.transpose(1, 2), layer.weight.shape[0], layer.weight.shape), d.sum(1)
 
 
-def _is_hf_conv1d(layer: nn.Module) -> bool:
+def is_hf_conv1d(layer: nn.Module) -> bool:
+    """Whether ``layer`` is Hugging Face's ``Conv1D`` (GPT-2's Linear with its weight stored ``[in, out]``)."""
     cls = type(layer)
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
 
@@ -139,13 +140,22 @@ def _plain(layer: nn.Module, base: type[nn.Module]) -> bool:
     return isinstance(layer, base) and type(layer).forward is base.forward
 
 
+def factors_matrix(layer: nn.Module) -> bool:
+    """Whether the engines factor ``layer``'s weight gradient as a matrix product (a plain Linear or HF Conv1D).
+
+    A Linear subclass with its own ``forward`` is not factored: its per-example gradients are
+    instantiated, so nothing can be projected before they are formed.
+    """
+    return _plain(layer, nn.Linear) or is_hf_conv1d(layer)
+
+
 def factored_kind(layer: nn.Module) -> Callable[[nn.Module, LayerCall, Tensor], tuple[Factored, Tensor | None]] | None:
     """The factorisation of ``layer``'s weight gradient, or ``None`` if it has none here."""
     if _plain(layer, nn.Linear):
         return _linear
     if _plain(layer, nn.Embedding):
         return _embedding
-    if _is_hf_conv1d(layer):
+    if is_hf_conv1d(layer):
         return _hf_conv1d
     if any(_plain(layer, conv) for conv in _CONVS) and layer.groups == 1:  # grouped: instantiated per group
         return _conv
