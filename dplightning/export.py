@@ -37,6 +37,7 @@ from dplightning.modules.hf import LoraSettings
 from dplightning.privacy.accounting import compute_epsilon
 from dplightning.strategies._dp import CHECKPOINT_KEY
 from dplightning.strategies.accounting import SEEDED_RISK, InconsistentLedger, check_ledger
+from dplightning.strategies.correlated import NoiseMechanism
 
 SAFE_GLOBALS: list[type] = [LoraSettings]
 """Classes a dplightning checkpoint may pickle besides tensors and plain containers (the LoRA settings
@@ -99,8 +100,10 @@ def privacy_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
     poisson = state.get("poisson_sampling", True)
     epsilon = compute_epsilon(ledger["history"], delta, ledger["accountant"]) if poisson and steps else math.inf
     unit = unit_record(state)
+    mechanism = NoiseMechanism.from_record(state.get("noise_mechanism"))
     return {
         "epsilon": epsilon,
+        "noise_mechanism": mechanism.describe(),
         "delta": delta,
         "accountant": ledger["accountant"],
         "steps": steps,
@@ -157,7 +160,7 @@ def _card(privacy: dict[str, Any], kind: str, base: str | None, pooling: str | N
             "",
             *([f"**WARNING: {SEEDED_RISK}. Do not release this model as private.**", ""] if privacy["seeded"] else []),
             f"- Guarantee: (ε = {eps}, δ = {privacy['delta']:.3g}), {privacy['accountant']} accountant, "
-            f"{privacy['steps']} steps of DP-SGD with Poisson sampling at q = {privacy['sample_rate']}, "
+            f"{_mechanism_text(privacy)} at q = {privacy['sample_rate']}, "
             f"noise multiplier σ = {privacy['noise_multiplier']}, clipping bound C = {privacy['max_grad_norm']} "
             f"({privacy['clipping']} clipping), over N = {privacy['num_samples']} examples.",
             f"- Privacy unit: {privacy['privacy_unit']}.",
@@ -181,6 +184,14 @@ def _card(privacy: dict[str, Any], kind: str, base: str | None, pooling: str | N
             "",
         ]
     )
+
+
+def _mechanism_text(privacy: dict[str, Any]) -> str:
+    """What the ledger's steps are: DP-SGD steps, or a correlated mechanism's compositions."""
+    mechanism = privacy.get("noise_mechanism") or NoiseMechanism().describe()
+    if mechanism == NoiseMechanism().describe():
+        return f"{privacy['steps']} steps of DP-SGD with Poisson sampling"
+    return f"{privacy['steps']} accounted composition(s) of {mechanism}"
 
 
 def _write(model: Any, tokenizer: Any, folder: Path, privacy: dict[str, Any], kind: str, base: str | None) -> None:

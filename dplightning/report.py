@@ -92,6 +92,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("stored ε", f"{_fmt(report['epsilon_stored'])} ({match})"),
         ("target ε", _fmt(report["target_epsilon"])),
         ("accountant", report["accountant"]),
+        ("noise mechanism", report["noise_mechanism"]),
         ("steps", f"{report['steps']} (global_step {_fmt(report['global_step'])})"),
         ("history (σ, q, steps)", _fmt(report["history"])),
         ("noise multiplier σ", _fmt(report["noise_multiplier"])),

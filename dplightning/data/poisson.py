@@ -5,6 +5,8 @@ examples independently with probability q, so the union over ranks is one Poisso
 sample of the whole set. An epoch is ⌈1/q⌉ logical steps, each split into exactly
 ``micro_batches`` (Lightning's ``accumulate_grad_batches``) physical batches, empty ones
 included: every rank yields the same number of batches, so no rank waits for another.
+:class:`CyclicPoissonBatchSampler` samples one of several fixed partitions per step
+(correlated-noise mechanisms, ``dplightning/strategies/correlated.py``).
 """
 
 from __future__ import annotations
@@ -93,13 +95,13 @@ class PoissonBatchSampler(Sampler[list[int]]):
             return torch.from_numpy(csprng_uniform(count))
         return 1.0 - torch.rand(count, generator=generator, dtype=torch.float64)
 
-    def _sample(self, generator: torch.Generator) -> Tensor:
-        """Shard positions of one Poisson(q) sample, in O(qN) work instead of O(N).
+    def _sample(self, generator: torch.Generator, size: int | None = None) -> Tensor:
+        """Positions of one Poisson(q) sample of ``size`` items (default: the shard), in O(qN) work instead of O(N).
 
         The gaps between consecutive included positions of a Bernoulli(q) sequence are
         independent Geometric(q) variables, drawn by inversion: ceil(ln U / ln(1 - q)).
         """
-        size, q = len(self.shard), self.sample_rate
+        size, q = len(self.shard) if size is None else size, self.sample_rate
         if q >= 1.0:
             return torch.arange(size)
         expected = size * q
@@ -129,6 +131,76 @@ class PoissonBatchSampler(Sampler[list[int]]):
                 yield part.tolist()
 
 
+def cyclic_partitions(num_samples: int, partitions: int, seed: int) -> list[Tensor]:
+    """The data split into ``partitions`` fixed parts by a public permutation seeded by ``seed``.
+
+    Part p holds the examples at positions p, p + partitions, ... of the permutation, so the
+    sizes differ by at most one. The split is public (it does not depend on the data); the
+    Poisson draws within a part are not.
+    """
+    if not 1 <= partitions <= num_samples:
+        raise ValueError(f"Need 1 <= partitions <= N, got {partitions} partitions of {num_samples} examples.")
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed))
+    return [order[p::partitions] for p in range(partitions)]
+
+
+class CyclicPoissonBatchSampler(PoissonBatchSampler):
+    """Cyclic Poisson sampling: step t Poisson-samples partition t mod ``partitions`` at rate q.
+
+    The data are split into ``partitions`` fixed parts (:func:`cyclic_partitions`); at the
+    j-th step of an epoch every example of part j mod ``partitions`` joins independently with
+    probability q (``sample_rate``, the rate *within* a part), the others do not. An epoch is
+    ``partitions`` x ⌈1/q⌉ steps, a whole number of cycles, so the part of a step depends on its
+    index in the run only, and an example participates at most once every ``partitions`` steps
+    (provided Lightning runs whole epochs or a multiple of ``partitions`` steps of each: the
+    strategy checks that). Each rank samples its share ``part[rank::world_size]`` of the part,
+    so the union over ranks is one Poisson(q) sample of the part.
+
+    Args:
+        num_samples: Size N of the whole training set.
+        sample_rate: Inclusion probability q within the sampled part.
+        partitions: Number of parts (the minimum separation of one example's participations).
+        partition_seed: Public seed of the split; identical on every rank.
+        micro_batches: Physical batches per logical step.
+        rank: This process' rank.
+        world_size: Number of processes.
+        seed: FOR TESTS ONLY; ``None`` seeds each epoch from OS entropy.
+        secure_mode: Draw inclusion decisions from the OS CSPRNG.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        partitions: int,
+        partition_seed: int,
+        micro_batches: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int | None = None,
+        secure_mode: bool = False,
+    ) -> None:
+        super().__init__(num_samples, sample_rate, micro_batches, rank, world_size, seed, secure_mode)
+        self.partitions = partitions
+        self.partition_seed = partition_seed
+        self.parts = [part[rank::world_size] for part in cyclic_partitions(num_samples, partitions, partition_seed)]
+        self.steps_per_epoch = partitions * steps_per_epoch(sample_rate)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._iterations += 1
+        seed = (
+            secrets.randbits(63)
+            if self.seed is None
+            else derive_seed(self.seed, "cyclic", self.rank, self.epoch, self._iterations)
+        )
+        generator = torch.Generator().manual_seed(seed)
+        for step in range(self.steps_per_epoch):
+            part = self.parts[step % self.partitions]
+            chosen = part[self._sample(generator, len(part))]
+            for piece in torch.tensor_split(chosen, self.micro_batches):
+                yield piece.tolist()
+
+
 class EmptySafeCollate:
     """Wraps a collate function so that an empty index list yields zero-length tensors.
 
@@ -148,7 +220,8 @@ class EmptySafeCollate:
 
 
 class PoissonDataLoader(DataLoader):
-    """A ``DataLoader`` with :class:`PoissonBatchSampler` and :class:`EmptySafeCollate`."""
+    """A ``DataLoader`` with :class:`PoissonBatchSampler` (or, given ``partitions=``,
+    :class:`CyclicPoissonBatchSampler`) and :class:`EmptySafeCollate`."""
 
     batch_sampler: PoissonBatchSampler
 
@@ -156,7 +229,8 @@ class PoissonDataLoader(DataLoader):
     def from_dataloader(cls, dataloader: DataLoader, sample_rate: float, **sampler_kwargs: Any) -> PoissonDataLoader:
         """Rebuild ``dataloader`` with Poisson sampling, keeping dataset, collate and workers."""
         dataset = dataloader.dataset
-        sampler = PoissonBatchSampler(len(dataset), sample_rate, **sampler_kwargs)  # type: ignore[arg-type]
+        cls_ = CyclicPoissonBatchSampler if "partitions" in sampler_kwargs else PoissonBatchSampler
+        sampler = cls_(len(dataset), sample_rate, **sampler_kwargs)  # type: ignore[arg-type]
         return cls(
             dataset,
             batch_sampler=sampler,

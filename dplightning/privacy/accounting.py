@@ -63,6 +63,9 @@ def compute_epsilon(history: Iterable[Segment], delta: float, accountant: str = 
     with warnings.catch_warnings():
         if accountant == "prv":  # PRV sizes its domain with an RDP bound; its tightness warning is noise here
             warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+            # q = 1 (no subsampling, e.g. a correlated mechanism accounted without amplification): PRV takes
+            # log(1 - q) = -inf on purpose and warns; its ε is still the Gaussian mechanism's (upper bound).
+            warnings.filterwarnings("ignore", message="divide by zero encountered in log", category=RuntimeWarning)
         # A negative ε (δ ≥ 1/N makes the accountants return one) certifies (0, δ)-DP: report 0.
         return max(0.0, float(acc.get_epsilon(delta=delta)))
 
@@ -82,6 +85,7 @@ def calibrate_noise_multiplier(
         raise ValueError(f"Cannot calibrate σ for {steps} steps; set max_epochs or max_steps.")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        warnings.filterwarnings("ignore", message="divide by zero encountered in log", category=RuntimeWarning)  # q=1
         try:
             sigma = get_noise_multiplier(
                 target_epsilon=target_epsilon,

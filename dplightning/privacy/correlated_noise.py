@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -110,3 +111,91 @@ class CorrelatedNoise:
         self.state, self.step_index, self._shape = [], 0, None
         for _ in range(step):
             self.step(like)
+
+
+def marginal_std_factors(strategy: Strategy) -> np.ndarray:
+    """Std of z_t per unit std of w, for every step t: the row norms of C⁻¹ = diag(s) T⁻¹.
+
+    z_t is N(0, (std · factor_t)²) per coordinate (correlated across steps): what an optimizer
+    that debiases its second moments by the noise variance needs to know of step t.
+    """
+    r = strategy.inverse_coefs()
+    return strategy.noise_scale() * np.sqrt(np.cumsum(r * r))
+
+
+class CorrelatedBucketNoise:
+    """The correlated noise of every bucket of a release: one :class:`CorrelatedNoise` stream per bucket.
+
+    A drop-in for :class:`~dplightning.privacy.noise.GaussianNoise` in
+    :meth:`~dplightning.privacy.mechanism.GradientPrivatizer.release`: :meth:`start_step` once per
+    optimizer step, then :meth:`sample` once per bucket, in bucket order. Bucket ``i`` has stream
+    ``i`` (its white noise is seeded per (seed, "correlated", i), then per (rank, step)), so no two
+    buckets share noise. The streams start at step 0 and must advance in lock-step with the
+    release steps: a skipped or repeated step raises instead of releasing misaligned noise.
+
+    The buffers (:attr:`state`) are secret; they are never part of a checkpoint.
+
+    Args:
+        seed: Test-only seed; ``None`` seeds every stream from OS entropy.
+        rank: This process' rank (mixed into the seeds).
+        secure_mode: Draw the white noise from the OS CSPRNG.
+    """
+
+    def __init__(self, seed: int | None = None, rank: int = 0, secure_mode: bool = False) -> None:
+        self.seed = seed
+        self.rank = rank
+        self.secure_mode = secure_mode
+        self.strategy: Strategy | None = None
+        self.streams: list[CorrelatedNoise] = []
+        self._step: int | None = None
+        self._next = 0
+
+    def bind(self, strategy: Strategy) -> None:
+        """Use ``strategy`` for every stream; a different one once noise was drawn raises."""
+        if self.strategy is not None and self.streams and strategy != self.strategy:
+            raise RuntimeError("The strategy matrix changed after correlated noise was drawn with another one.")
+        self.strategy = strategy
+
+    def start_step(self, step: int) -> None:
+        """Begin the noise of optimizer step ``step`` (every stream must be at that step)."""
+        if self._next not in (0, len(self.streams)):
+            raise RuntimeError(
+                f"The previous release drew correlated noise for {self._next} of {len(self.streams)} buckets."
+            )
+        behind = [s.step_index for s in self.streams if s.step_index != step]
+        if behind:
+            raise RuntimeError(
+                f"The correlated noise streams are at step {behind[0]} but the release is step {step}: the noise "
+                "would be out of step with the strategy matrix and the ledger. Nothing was released."
+            )
+        self._step, self._next = step, 0
+
+    def sample(self, like: Tensor, std: float) -> Tensor:
+        """The correlated noise of the next bucket of this step, shaped and typed like ``like``."""
+        if self.strategy is None or self._step is None:
+            raise RuntimeError("Correlated noise needs its strategy matrix and start_step() before sampling.")
+        if self._next == len(self.streams):
+            if self._step != 0:
+                raise RuntimeError(
+                    f"A new correlated noise stream was asked for at step {self._step}; streams start at step 0 "
+                    "(did the buckets change during training?)."
+                )
+            self.streams.append(
+                CorrelatedNoise(
+                    self.strategy, std, seed=self.seed, rank=self.rank, stream=self._next, secure_mode=self.secure_mode
+                )
+            )
+        stream = self.streams[self._next]
+        if stream.std != float(std):
+            raise RuntimeError(f"The noise std changed from {stream.std} to {std} during a correlated-noise run.")
+        self._next += 1
+        return stream.step(like)
+
+    @property
+    def state(self) -> list[Tensor]:
+        """Every stream's secret buffers (for tests and memory reports; never save them)."""
+        return [t for s in self.streams for t in s.state]
+
+    def state_bytes(self) -> int:
+        """Bytes held by the secret buffers."""
+        return sum(t.numel() * t.element_size() for t in self.state)

@@ -25,6 +25,8 @@ from dplightning.privacy.noise import GaussianNoise
 if TYPE_CHECKING:
     from torch.distributed import Work
 
+    from dplightning.privacy.correlated_noise import CorrelatedBucketNoise
+
 BucketReducer = Callable[[Tensor], "Work | None"]
 """Starts the in-place cross-rank sum of one bucket; may return an async handle to wait on."""
 
@@ -164,7 +166,7 @@ class GradientPrivatizer:
 
     def release(
         self,
-        noise: GaussianNoise | None,
+        noise: GaussianNoise | CorrelatedBucketNoise | None,
         noise_std: float,
         expected_batch_size: float,
         reduce: BucketReducer | None = None,
@@ -173,7 +175,8 @@ class GradientPrivatizer:
         """Add this rank's noise, sum across ranks, divide by the expected batch and set ``p.grad``.
 
         Args:
-            noise: This rank's noise source (unused when ``noise_std`` is 0).
+            noise: This rank's noise source (unused when ``noise_std`` is 0); a correlated source is
+                asked once per bucket, in bucket order (its stream i noises bucket i).
             noise_std: Std of the noise this rank adds: σΔ on one process (Δ =
                 :attr:`sensitivity`); the ranks' shares must sum to variance (σΔ)².
             expected_batch_size: The public expected batch size q·N (never the realised one).

@@ -20,6 +20,7 @@ to its own submodules, so ``state_dict`` keys are unchanged.
 from __future__ import annotations
 
 import math
+import secrets
 import uuid
 import warnings
 from collections.abc import Callable
@@ -45,14 +46,17 @@ from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisso
 from dplightning.data.provenance import data_provenance
 from dplightning.privacy.accounting import PrivacyLedger
 from dplightning.privacy.clipping import ClipGroup
+from dplightning.privacy.correlated_noise import CorrelatedBucketNoise, marginal_std_factors
 from dplightning.privacy.grad_sample.validation import refuse_batch_mean_loss
+from dplightning.privacy.matrix_mechanism import Strategy as NoiseStrategy
 from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
-from dplightning.privacy.noise import GaussianNoise
+from dplightning.privacy.noise import GaussianNoise, derive_seed
 from dplightning.protocols import CountsExamples, ShowsEpsilon
 from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount, _OptimizerMetrics
 from dplightning.strategies.accounting import PrivacyAccounting, library_versions
 from dplightning.strategies.checkpoint import atomic_save, is_local_path
 from dplightning.strategies.config import DPConfig
+from dplightning.strategies.correlated import build_strategy, describe_workload, strategy_sensitivity, workload_of
 from dplightning.strategies.coupling import CouplingProbe, probe_batch, quietly, rng_state, step_loss
 from dplightning.strategies.engine_report import report_engines
 from dplightning.strategies.journal import PrivacyJournal
@@ -82,6 +86,10 @@ class _DPHooks(Strategy):
         self._warned_nonfinite = False
         self._nonfinite_seen = 0  # the count at the last release (examples are counted when clipped)
         self._released_this_fit = 0  # the coupling probe runs on the first steps of every fit
+        self._noise_strategy: NoiseStrategy | None = None  # C of a correlated mechanism (public), built at train start
+        self._noise_sensitivity: float | None = None  # of C x, in units of Δ
+        self._marginal: Any = None  # std of z_t per unit std of w, per step
+        self._partition_seed: int | None = None  # public seed of the cyclic sampler's split, one per run
 
     # ------------------------------------------------------------------ public API
 
@@ -175,14 +183,40 @@ class _DPHooks(Strategy):
     @property
     def steps(self) -> int:
         """Noisy optimizer steps taken (and accounted), including resumed ones."""
-        return self.accounting.ledger.steps
+        return self.accounting.released_steps
+
+    @property
+    def noise_mechanism(self) -> str:
+        """``"gaussian"`` (DP-SGD), ``"band_mf"`` or ``"blt"``."""
+        return self.dp_config.noise_mechanism
+
+    @property
+    def noise_strategy(self) -> NoiseStrategy | None:
+        """The strategy matrix C of a correlated mechanism (public; built when training starts), else ``None``."""
+        return self._noise_strategy
+
+    @property
+    def noise_sensitivity(self) -> float:
+        """Sensitivity of C x in units of Δ that the noise is calibrated to (1 for DP-SGD).
+
+        Raises:
+            RuntimeError: For a correlated mechanism before training starts (C is not built yet).
+        """
+        if not self.dp_config.correlated:
+            return 1.0
+        if self._noise_sensitivity is None:
+            raise RuntimeError("The strategy matrix of the correlated noise is built when training starts.")
+        return self._noise_sensitivity
 
     @property
     def noise_std(self) -> float:
-        """Std of the noise added to the clipped sum: σ·Δ (Δ = joint sensitivity, C for flat)."""
+        """Std of the noise added to the clipped sum: σ·Δ (Δ = joint sensitivity, C for flat).
+
+        For a correlated mechanism, the std of its white noise w: σ · (sensitivity of C x) · Δ.
+        """
         step = self.private_step
         sensitivity = step.privatizer.sensitivity if step is not None else self.dp_config.max_grad_norm
-        return (self.accounting.noise_multiplier or 0.0) * sensitivity
+        return (self.accounting.noise_multiplier or 0.0) * sensitivity * self.noise_sensitivity
 
     def engine_table(self) -> str:
         """The clipping engine of every hooked layer, as a table (setup prints a one-line summary).
@@ -251,6 +285,8 @@ class _DPHooks(Strategy):
         state["nonfinite_examples"] = self.nonfinite_examples
         state["versions"] = library_versions()
         state["run_id"] = self._run_id
+        if self._noise_sensitivity is not None:  # public: C depends on the planned steps and the optimizer only
+            state["noise_mechanism"]["sensitivity"] = self._noise_sensitivity
         return state
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -277,6 +313,8 @@ class _DPHooks(Strategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._check_one_train_loader()
+        if self.dp_config.correlated and self.private_step is not None:
+            self._build_noise_strategy()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -379,7 +417,12 @@ class _DPHooks(Strategy):
             )
         if isinstance(self.optimizers[0], LBFGS):
             raise ValueError("LBFGS re-evaluates its closure; each evaluation would need fresh noise. Use SGD/Adam.")
-        noise = GaussianNoise(self.dp_config.seed, rank=self.global_rank, secure_mode=self.dp_config.secure_mode)
+        noise: GaussianNoise | CorrelatedBucketNoise
+        if self.dp_config.correlated:
+            self._check_correlated_fit(trainer)
+            noise = CorrelatedBucketNoise(self.dp_config.seed, self.global_rank, self.dp_config.secure_mode)
+        else:
+            noise = GaussianNoise(self.dp_config.seed, rank=self.global_rank, secure_mode=self.dp_config.secure_mode)
         self.private_step = PrivateStep(self.dp_config, module, self.optimizers[0], noise)
         hooks = known(self.private_step.hooks, "the per-example hooks")
         self._engines = {name: engine for name, _, _, engine in hooks.summary()}
@@ -398,8 +441,58 @@ class _DPHooks(Strategy):
         if not any(isinstance(cb, _OptimizerMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(_OptimizerMetrics())
 
+    def _check_correlated_fit(self, trainer: pl.Trainer) -> None:
+        """Refuse what a correlated-noise run's accounting does not cover, before any step."""
+        name = self.dp_config.noise_mechanism
+        if trainer.ckpt_path is not None or self._resume_state is not None:
+            raise ValueError(
+                f"Resuming is not supported with noise_mechanism={name!r}: the noise of every step depends on secret "
+                "buffers carried from the previous steps, which are never written into a checkpoint (whoever holds "
+                "them can subtract the noise). Start the run again from step 0, or train with the gaussian mechanism."
+            )
+        if self.accounting.released_steps:
+            raise ValueError(
+                f"A noise_mechanism={name!r} run cannot continue in a second fit: its strategy matrix and secret "
+                "noise state belong to the first one. Build a new Trainer and strategy for a new run."
+            )
+        from dplightning.callbacks.privacy_budget import PrivacyBudget  # not at import: callbacks import strategies
+
+        if any(isinstance(cb, PrivacyBudget) for cb in trainer.callbacks):
+            raise ValueError(
+                f"PrivacyBudget is not supported with noise_mechanism={name!r}: its stopping rule charges one "
+                "composition per step. Use target_epsilon= (σ is calibrated for the planned run) instead."
+            )
+
+    def _build_noise_strategy(self) -> None:
+        """Build C for the planned steps and the optimizer's workload (public; seconds at 10⁴ steps on a CPU)."""
+        mechanism = self.accounting.mechanism
+        steps = self.accounting.planned_steps
+        if steps is None:
+            raise ValueError(
+                f"noise_mechanism={mechanism.name!r} needs the planned number of steps (max_steps or max_epochs)."
+            )
+        workload = workload_of(self.optimizers[0])
+        strategy = build_strategy(mechanism, steps, workload)
+        if self._noise_strategy is not None and strategy != self._noise_strategy:
+            raise RuntimeError("The strategy matrix of this run changed between its train loaders.")
+        self._noise_strategy = strategy
+        self._noise_sensitivity = strategy_sensitivity(mechanism, strategy)
+        self._marginal = marginal_std_factors(strategy)
+        rank_zero_info(
+            f"Correlated noise: {mechanism.describe()}; strategy matrix for {steps} steps and the workload of "
+            f"{describe_workload(workload)} (sensitivity {self._noise_sensitivity:.4g} x Δ; {strategy.buffers} "
+            "secret buffer(s) of the noised size per noising rank)."
+        )
+
     def _restore_dp_state(self, trainer: pl.Trainer) -> None:
         state, self._resume_state = self._resume_state, None
+        recorded = (state or {}).get("noise_mechanism") or {}
+        if recorded.get("name", "gaussian") != "gaussian":
+            raise ValueError(
+                f"The checkpoint {trainer.ckpt_path} was trained with noise_mechanism={recorded['name']!r}, which "
+                "cannot be resumed: its secret noise state is not in the checkpoint. Fine-tune from its weights in a "
+                "new run instead (load them with model.load_state_dict(torch.load(path)['state_dict']))."
+            )
         if state is not None:
             self.accounting.load_state_dict(state)
             self._run_id = state.get("run_id") or self._run_id
@@ -445,6 +538,8 @@ class _DPHooks(Strategy):
         # loader is Lightning's own and a step sums k whole batches, so the mean is over k of them.
         logical = batch_size * self.world_size * (1 if poisson else k)
         q = logical / n
+        if self.dp_config.correlated:
+            return self._cyclic_loader(trainer, dataloader, n, logical)
         self.accounting.set_sampling(n, q)
         rank_zero_info(_logical_batch(logical, batch_size, self.world_size, k, q, poisson))
         if not poisson:
@@ -460,6 +555,49 @@ class _DPHooks(Strategy):
         )
         per_epoch = steps_per_epoch_run(trainer, len(loader))
         self.accounting.plan(planned_steps(trainer, per_epoch))
+        return loader
+
+    def _cyclic_loader(self, trainer: pl.Trainer, dataloader: DataLoader, n: int, logical: int) -> DataLoader:
+        """Cyclic Poisson sampling over the partitions of a correlated mechanism (``data/poisson.py``)."""
+        partitions, name = self.dp_config.partitions, self.dp_config.noise_mechanism
+        rate = partitions * logical / n  # within a partition: the expected batch stays `logical`
+        if rate > 1:
+            raise ValueError(
+                f"noise_mechanism={name!r} samples one of {partitions} partitions of about {n / partitions:.4g} "
+                f"examples per step, at rate {partitions} x {logical} / {n} = {rate:.4g} > 1 for an expected batch of "
+                f"{logical}: lower the batch size or cyclic_partitions (at most N / expected batch = "
+                f"{n // logical})."
+            )
+        if self._partition_seed is None:  # public randomness, the same on every rank and for every reload
+            local = derive_seed(self.dp_config.seed, "partitions") if self.dp_config.seed is not None else None
+            self._partition_seed = int(self.broadcast(local if local is not None else secrets.randbits(63)))
+        self._check_same_on_every_rank(dataloader, partitions=partitions, partition_seed=self._partition_seed)
+        self.accounting.set_sampling(n, rate)
+        loader = PoissonDataLoader.from_dataloader(
+            dataloader,
+            sample_rate=rate,
+            partitions=partitions,
+            partition_seed=self._partition_seed,
+            micro_batches=trainer.accumulate_grad_batches,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            seed=self.dp_config.seed,
+            secure_mode=self.dp_config.secure_mode,
+        )
+        per_epoch = steps_per_epoch_run(trainer, len(loader))
+        if per_epoch % partitions:
+            raise ValueError(
+                f"Lightning runs {per_epoch} steps per epoch, not a multiple of cyclic_partitions={partitions}: the "
+                "next epoch would restart the cycle early and sample a partition again before its turn, breaking the "
+                f"minimum separation the accounting of noise_mechanism={name!r} relies on. Set limit_train_batches to "
+                f"a multiple of {partitions} x accumulate_grad_batches (or leave it unset)."
+            )
+        self.accounting.plan(planned_steps(trainer, per_epoch))
+        rank_zero_info(
+            f"Logical batch: cyclic Poisson sampling over {partitions} fixed partitions of the {n} examples, step t "
+            f"samples partition t mod {partitions} at rate q = {rate:.4g} (expected batch {logical}); an epoch is "
+            f"{per_epoch} steps."
+        )
         return loader
 
     def _check_same_on_every_rank(self, dataloader: DataLoader, **values: int) -> None:
@@ -485,6 +623,12 @@ class _DPHooks(Strategy):
         module = known(self.lightning_module, "the LightningModule")
         if self._batches_since_release == 0:
             step.restore_weight_grads()
+            if self.dp_config.correlated and step.trainables_changed():
+                raise RuntimeError(
+                    f"The trainable parameters changed at step {self.steps}: the correlated noise of "
+                    f"noise_mechanism={self.dp_config.noise_mechanism!r} runs over fixed buckets for the whole run. "
+                    "Keep the trainable parameters fixed, or use the gaussian mechanism."
+                )
             step.replan_if_changed(self.steps)
         if step.pending:
             raise RuntimeError(
@@ -585,7 +729,18 @@ class _DPHooks(Strategy):
         expected_batch_size = known(self.expected_batch_size, "the expected batch size q·N")
         self._check_one_batch_per_release()
         total = self.noise_std
-        step.release(self._local_noise_std(total), total, expected_batch_size, self._bucket_reducer(), self.steps)
+        released = total  # the std of this step's noise on the clipped sum, as the optimizer's DP plan is told
+        if self.dp_config.correlated:
+            strategy = known(self._noise_strategy, "the strategy matrix of the correlated noise")
+            if self.steps >= strategy.n:
+                raise RuntimeError(
+                    f"Step {self.steps} is past the {strategy.n} steps the strategy matrix of noise_mechanism="
+                    f"{self.dp_config.noise_mechanism!r} was built and accounted for; nothing was released."
+                )
+            if isinstance(step.noise, CorrelatedBucketNoise):
+                step.noise.bind(strategy)
+            released = total * float(self._marginal[self.steps])
+        step.release(self._local_noise_std(total), released, expected_batch_size, self._bucket_reducer(), self.steps)
         self.accounting.step()
         self._released_this_fit += 1
         journal = self._journal()

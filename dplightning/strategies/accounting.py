@@ -24,6 +24,7 @@ from dplightning.privacy.accounting import (
     split_noise_multiplier,
 )
 from dplightning.strategies.config import DPConfig
+from dplightning.strategies.correlated import NoiseMechanism
 
 RECORDED_LIBRARIES = ("dplightning", "torch", "lightning", "opacus", "transformers", "peft")
 """Libraries whose versions a checkpoint records (the accountant's numbers depend on opacus')."""
@@ -55,6 +56,7 @@ class PrivacyAccounting:
 
     def __init__(self, config: DPConfig) -> None:
         self.config = config
+        self.mechanism = NoiseMechanism.from_config(config)
         self.ledger = PrivacyLedger(config.accountant)
         self.noise_multiplier: float | None = config.noise_multiplier
         """σ of the gradient; ``None`` until calibrated from ``target_epsilon``."""
@@ -64,6 +66,9 @@ class PrivacyAccounting:
         self._step_releases: dict[str, float] = {}
         self._resumed_sampling: tuple[float | None, int | None] | None = None
         self._warned_seed = False
+        self.planned_steps: int | None = None
+        """Steps the run plans (known when the train loader is); a correlated mechanism's C is built for them."""
+        self._released = 0  # steps released by a correlated mechanism (its ledger counts compositions)
 
     # ------------------------------------------------------------------ public values
 
@@ -76,10 +81,15 @@ class PrivacyAccounting:
 
     @property
     def expected_batch_size(self) -> float | None:
-        """The public expected batch size q·N that the noisy sum is divided by."""
+        """The public expected batch size q·N (q·N/partitions under cyclic Poisson) that the noisy sum is divided by."""
         if self.sample_rate is None or self.num_samples is None:
             return None
-        return self.sample_rate * self.num_samples
+        return self.sample_rate * self.num_samples / self.mechanism.partitions
+
+    @property
+    def released_steps(self) -> int:
+        """Noisy steps released so far (the ledger's steps for DP-SGD; a correlated mechanism counts its own)."""
+        return self._released if self.mechanism.correlated else self.ledger.steps
 
     @property
     def step_releases(self) -> dict[str, float]:
@@ -118,6 +128,11 @@ class PrivacyAccounting:
         """
         if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
             raise ValueError(f"Step release {name!r} needs a finite noise multiplier > 0, got {noise_multiplier}.")
+        if self.mechanism.correlated:
+            raise ValueError(
+                f"Step release {name!r} is not supported with noise_mechanism={self.mechanism.name!r}: the "
+                "accounting of correlated noise covers the gradient alone."
+            )
         calibrated = self.config.target_epsilon is not None and self.noise_multiplier is not None
         if calibrated and self._step_releases.get(name) != float(noise_multiplier):
             raise RuntimeError(
@@ -158,27 +173,55 @@ class PrivacyAccounting:
         )
 
     def plan(self, total_steps: int | None) -> None:
-        """Calibrate σ for ``target_epsilon`` over ``total_steps``, or warn if a resumed run will overspend it."""
+        """Calibrate σ for ``target_epsilon`` over ``total_steps``, or warn if a resumed run will overspend it.
+
+        Raises:
+            ValueError: If a correlated mechanism's run has no finite length, or its length changed
+                (its strategy matrix is built for the planned steps).
+        """
+        if self.mechanism.correlated:
+            self._plan_correlated(total_steps)
+        self.planned_steps = total_steps
         if total_steps is not None:
-            self.ledger.grid_min_gap = max(1, total_steps // 100)  # ~100 accountant calls for the progress bar
+            # ~100 accountant calls for the progress bar
+            self.ledger.grid_min_gap = max(1, self.mechanism.compositions(total_steps) // 100)
         if self.config.target_epsilon is None:
             return
         if total_steps is None:
             raise ValueError("target_epsilon needs a finite training length: set max_epochs or max_steps.")
         if self.noise_multiplier is None:
             self._calibrate(total_steps)
-        elif self.ledger.steps:
+        elif self.ledger.steps and not self.mechanism.correlated:  # a correlated run never resumes
             self._warn_if_resumed_run_overspends(total_steps)
+
+    def _plan_correlated(self, total: int | None) -> None:
+        name = self.mechanism.name
+        if total is None:
+            raise ValueError(
+                f"noise_mechanism={name!r} needs a finite training length (max_steps, or max_epochs): its strategy "
+                "matrix and sensitivity are computed for the planned number of steps."
+            )
+        if self.planned_steps is not None and total != self.planned_steps:
+            raise ValueError(
+                f"The planned number of steps changed from {self.planned_steps} to {total} (reloaded train loader?); "
+                f"noise_mechanism={name!r} built its strategy matrix for {self.planned_steps} steps."
+            )
+        if total < 1:
+            raise ValueError(f"noise_mechanism={name!r} needs at least one planned step, got {total}.")
 
     def _calibrate(self, total: int) -> None:
         known(self.config.target_epsilon, "target_epsilon")
         known(self.sample_rate, "the sample rate q")
         known(self.delta, "δ")
+        compositions = self.mechanism.compositions(total)
+        rate = self.mechanism.accounted_rate(self.sample_rate)  # type: ignore[arg-type]
+        counted = f" = {compositions} compositions at q = {rate:.4g}" if self.mechanism.correlated else ""
         rank_zero_info(
-            f"Calibrating σ for ε = {self.config.target_epsilon} over {total} steps ({self.config.accountant})..."
+            f"Calibrating σ for ε = {self.config.target_epsilon} over {total} steps{counted} "
+            f"({self.config.accountant})..."
         )
         effective = calibrate_noise_multiplier(
-            self.config.target_epsilon, self.delta, self.sample_rate, total, self.config.accountant
+            self.config.target_epsilon, self.delta, rate, compositions, self.config.accountant
         )
         # The ledger records σ_eff of everything released per step; the gradient gets what the releases leave.
         self.noise_multiplier = split_noise_multiplier(effective, self._step_releases.values())
@@ -221,18 +264,37 @@ class PrivacyAccounting:
             )
 
     def step(self) -> None:
-        """Count one noisy release (one subsampled Gaussian step at σ_eff and q)."""
+        """Count one noisy release (one subsampled Gaussian step at σ_eff and q).
+
+        A correlated mechanism charges a composition only on the steps its rule says
+        (:meth:`NoiseMechanism.charges`: the first step of each cycle for ``band_mf``, the first
+        step for ``blt``).
+        """
+        if self.mechanism.correlated:
+            planned = known(self.planned_steps, "the planned number of steps")
+            if self._released >= planned:
+                raise RuntimeError(
+                    f"Step {self._released} is past the {planned} steps the strategy matrix of "
+                    f"noise_mechanism={self.mechanism.name!r} was built and accounted for."
+                )
+            charges, self._released = self.mechanism.charges(self._released), self._released + 1
+            if not charges:
+                return
         if self.config.poisson_sampling:
             known(self.accounted_noise_multiplier, "the accounted σ")
             known(self.sample_rate, "the sample rate q")
-            self.ledger.step(self.accounted_noise_multiplier, self.sample_rate)
+            rate = self.mechanism.accounted_rate(self.sample_rate)  # type: ignore[arg-type]
+            self.ledger.step(self.accounted_noise_multiplier, rate)
 
     def report(self, engine: str, clipping: str | None = None) -> str:
         """One line with the final (ε, δ) and the parameters that produced it (``clipping``: as applied)."""
         releases = self._step_releases
         shared = f"; σ_eff = {self.accounted_noise_multiplier:.4g} with {releases}" if releases else ""
+        if self.mechanism.correlated:
+            shared += f"; {self.ledger.steps} composition(s) charged; {self.mechanism.describe()}"
+        name = "DP-SGD" if not self.mechanism.correlated else f"noise_mechanism={self.mechanism.name}"
         return (
-            f"DP-SGD: (ε = {self.get_epsilon():.4g}, δ = {self.delta:.3g}) after {self.ledger.steps} steps "
+            f"{name}: (ε = {self.get_epsilon():.4g}, δ = {self.delta:.3g}) after {self.released_steps} steps "
             f"[σ = {self.noise_multiplier:.4g}, q = {self.sample_rate:.4g}, C = {self.config.max_grad_norm}, "
             f"clipping = {clipping or self.config.clipping}, engine = {engine}, "
             f"accountant = {self.config.accountant}{shared}]"
@@ -254,6 +316,11 @@ class PrivacyAccounting:
             "clipping_engine": self.config.clipping_engine,
             "poisson_sampling": self.config.poisson_sampling,
             "step_releases": dict(self._step_releases),
+            "noise_mechanism": {
+                **self.mechanism.record(),
+                "planned_steps": self.planned_steps,
+                "released_steps": self.released_steps,
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -288,8 +355,11 @@ def _segment_problems(history: list[Any]) -> list[str]:
     return problems
 
 
-def _sampling_problems(state: dict[str, Any], last: tuple[float, float, int]) -> list[str]:
-    """The recorded σ (σ_eff with step releases) and q against the ledger's latest segment."""
+def _sampling_problems(state: dict[str, Any], last: tuple[float, float, int], mechanism: NoiseMechanism) -> list[str]:
+    """The recorded σ (σ_eff with step releases) and q against the ledger's latest segment.
+
+    A mechanism accounted without amplification records q = 1 in its ledger whatever it sampled at.
+    """
     sigma, releases = state.get("noise_multiplier"), (state.get("step_releases") or {}).values()
     if sigma is None:
         return ["the record has no noise multiplier σ but the ledger charged steps"]
@@ -299,7 +369,8 @@ def _sampling_problems(state: dict[str, Any], last: tuple[float, float, int]) ->
         shared = f" (σ_eff with step releases {dict(state.get('step_releases') or {})})" if releases else ""
         problems.append(f"the record's σ = {recorded:.6g}{shared} is not the ledger's latest σ = {last[0]:.6g}")
     q = state.get("sample_rate")
-    if q is None or not math.isclose(q, last[1], rel_tol=RECORD_RTOL):
+    accounted = None if q is None else mechanism.accounted_rate(q)
+    if accounted is None or not math.isclose(accounted, last[1], rel_tol=RECORD_RTOL):
         problems.append(f"the record's q = {q} is not the ledger's latest q = {last[1]:.6g}")
     return problems
 
@@ -324,14 +395,20 @@ def ledger_problems(state: dict[str, Any], global_step: int | None) -> list[str]
     problems = _segment_problems(history)
     if problems or not state.get("poisson_sampling", True):
         return problems  # without Poisson sampling nothing is charged (ε = ∞)
+    try:
+        mechanism = NoiseMechanism.from_record(state.get("noise_mechanism"))
+    except (KeyError, TypeError, ValueError) as err:
+        return [f"the record's noise mechanism {state.get('noise_mechanism')!r} is unreadable ({err})"]
     steps = sum(int(t) for _, _, t in history)
-    if global_step is not None and steps < global_step:
+    due = mechanism.compositions(global_step) if global_step is not None else 0
+    if global_step is not None and steps < due:
+        per = "" if not mechanism.correlated else f" ({mechanism.describe()} charges {due} for them)"
         problems.append(
-            f"the ledger charges {steps} steps but the checkpoint's global_step is {global_step}: every optimizer "
-            "step releases a noisy gradient the ledger charges, so it must hold at least global_step steps"
+            f"the ledger charges {steps} steps but the checkpoint's global_step is {global_step}{per}: every optimizer "
+            "step releases a noisy gradient the ledger charges, so it must hold at least what global_step costs"
         )
     if history:
-        problems += _sampling_problems(state, history[-1])
+        problems += _sampling_problems(state, history[-1], mechanism)
     return problems
 
 

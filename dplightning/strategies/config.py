@@ -23,6 +23,13 @@ NOISE_PLACEMENTS = {
     "rank0": "rank 0 adds N(0, (σΔ)²); the other ranks add none",
     "split": "every rank adds N(0, (σΔ)²/W) from its own generator; the variances sum to (σΔ)²",
 }
+NOISE_MECHANISMS = {
+    "gaussian": "independent N(0, (σΔ)²) at every step (DP-SGD)",
+    "band_mf": "correlated noise of a column-normalised banded matrix factorization with cyclic Poisson sampling "
+    "(amplified accounting)",
+    "blt": "correlated noise of a buffered linear Toeplitz factorization with cyclic Poisson sampling (no "
+    "amplification: one Gaussian mechanism over the whole run)",
+}
 VERIFY_GRADIENTS = {
     "first_steps": "the first steps with data, and the first steps after the trainable parameters change",
     "always": "every backward pass",
@@ -58,6 +65,15 @@ _DOCS = {
     "release). On resume, steps that a killed attempt released after its last checkpoint are charged to the ledger "
     "too, so ε also covers what was released from the weights between checkpoints (validation metrics, logs). "
     "``None`` (default): the ledger covers the weights that checkpoints hold.",
+    "noise_mechanism": '``"gaussian"`` (default, DP-SGD), ``"band_mf"`` (banded matrix factorization: noise '
+    "correlated over ``bands`` steps so that much of it cancels in the running sum; amplified by cyclic Poisson "
+    'sampling over ``cyclic_partitions`` partitions) or ``"blt"`` (buffered linear Toeplitz with ``blt_buffers`` '
+    "buffers, accounted without amplification). See docs/correlated_noise.md.",
+    "bands": 'Number of bands b of ``noise_mechanism="band_mf"`` (b - 1 secret buffers of the noised size).',
+    "blt_buffers": 'Number of buffers of ``noise_mechanism="blt"`` (that many secret buffers of the noised size).',
+    "cyclic_partitions": "Partitions of the cyclic Poisson sampler of a correlated noise mechanism: the data are "
+    "split into this many fixed partitions and step t samples partition t mod it, so an example participates at "
+    'most once every that many steps. Default: ``bands`` for ``"band_mf"``; required for ``"blt"``.',
     "noise_placement": '``"rank0"`` (default): rank 0 adds all the noise, so a test can regenerate it exactly; '
     '``"split"``: each rank adds N(0, (σΔ)²/W) from its own generator, which balances the work of drawing noise.',
 }
@@ -83,6 +99,10 @@ class DPConfig:
     seed: int | None = None
     noise_placement: Literal["rank0", "split"] = "rank0"
     privacy_journal: str | None = None
+    noise_mechanism: Literal["gaussian", "band_mf", "blt"] = "gaussian"
+    bands: int | None = None
+    blt_buffers: int | None = None
+    cyclic_partitions: int | None = None
 
     def __post_init__(self) -> None:
         self._check_noise()
@@ -99,6 +119,60 @@ class DPConfig:
         _check_choice("noise_placement", self.noise_placement, sorted(NOISE_PLACEMENTS))
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}.")
+        self._check_mechanism()
+
+    @property
+    def correlated(self) -> bool:
+        """Whether the noise is correlated across steps (a matrix-factorization mechanism)."""
+        return self.noise_mechanism != "gaussian"
+
+    @property
+    def partitions(self) -> int:
+        """Partitions of the cyclic Poisson sampler (1: plain Poisson sampling, DP-SGD)."""
+        if not self.correlated:
+            return 1
+        return self.cyclic_partitions if self.cyclic_partitions is not None else int(self.bands or 0)
+
+    def _check_mechanism(self) -> None:
+        _check_choice("noise_mechanism", self.noise_mechanism, sorted(NOISE_MECHANISMS))
+        for name in ("bands", "blt_buffers", "cyclic_partitions"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        mechanism = self.noise_mechanism
+        stray = {
+            "gaussian": ("bands", "blt_buffers", "cyclic_partitions"),
+            "band_mf": ("blt_buffers",),
+            "blt": ("bands",),
+        }[mechanism]
+        given = [name for name in stray if getattr(self, name) is not None]
+        if given:
+            raise ValueError(f"{given} do not apply to noise_mechanism={mechanism!r}; remove them.")
+        if mechanism == "gaussian":
+            return
+        if mechanism == "band_mf" and self.bands is None:
+            raise ValueError('noise_mechanism="band_mf" needs bands= (the number of bands b, e.g. 4).')
+        if mechanism == "blt" and (self.blt_buffers is None or self.cyclic_partitions is None):
+            raise ValueError(
+                'noise_mechanism="blt" needs blt_buffers= (e.g. 2) and cyclic_partitions= (the minimum separation of '
+                "an example's participations, which sets the sensitivity the noise is calibrated to)."
+            )
+        if mechanism == "band_mf" and self.bands > self.partitions:  # type: ignore[operator]
+            raise ValueError(
+                f"bands={self.bands} > cyclic_partitions={self.partitions}: an example could participate twice within "
+                "the band of one column, which the amplified accounting of banded matrix factorization does not cover "
+                "(Choquette-Choo et al. 2023 need bands <= partitions). Use cyclic_partitions >= bands."
+            )
+        if not self.poisson_sampling:
+            raise ValueError(
+                f"noise_mechanism={mechanism!r} needs poisson_sampling=True: its sensitivity and accounting rely on "
+                "the cyclic Poisson sampler (each example at most once every cyclic_partitions steps)."
+            )
+        if self.privacy_journal is not None:
+            raise ValueError(
+                f"privacy_journal does not apply to noise_mechanism={mechanism!r}: a correlated-noise run cannot be "
+                "resumed (its noise state is secret and never checkpointed), so there is nothing to charge on resume."
+            )
 
     def _check_noise(self) -> None:
         sigma, eps = self.noise_multiplier, self.target_epsilon

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from dplightning._state import known
 from dplightning.privacy.buffers import BufferWatch, public_buffers
 from dplightning.privacy.clipping import ClipGroup, make_clip_groups
+from dplightning.privacy.correlated_noise import CorrelatedBucketNoise
 from dplightning.privacy.grad_sample import PerExampleGrad, PerExampleHooks, SlotTransform
 from dplightning.privacy.grad_sample.grads import add
 from dplightning.privacy.mechanism import (
@@ -51,10 +52,13 @@ class PrivateStep:
         config: The strategy's DP arguments.
         module: The LightningModule (hooked in place).
         optimizer: Its single optimizer; its trainable parameters are privatized.
-        noise: This rank's noise source.
+        noise: This rank's noise source: independent Gaussian, or the correlated noise of a
+            matrix-factorization mechanism (one stream per bucket).
     """
 
-    def __init__(self, config: DPConfig, module: nn.Module, optimizer: Optimizer, noise: GaussianNoise) -> None:
+    def __init__(
+        self, config: DPConfig, module: nn.Module, optimizer: Optimizer, noise: GaussianNoise | CorrelatedBucketNoise
+    ) -> None:
         self.config = config
         self.module = module
         self.optimizer = optimizer
@@ -120,6 +124,10 @@ class PrivateStep:
         self.hooks.on_layer_done = self._on_layer_done if self._local_groups else None
         self._signature = _trainable_signature(self.optimizer)
         self._verify_left = VERIFIED_STEPS if self.config.verify_gradients == "first_steps" else 0
+
+    def trainables_changed(self) -> bool:
+        """Whether the optimizer's trainable parameters differ from the planned ones."""
+        return _trainable_signature(self.optimizer) != self._signature
 
     def replan_if_changed(self, step: int) -> None:
         """Re-plan if the optimizer's trainable parameters differ from the planned ones (call between steps)."""
@@ -324,7 +332,8 @@ class PrivateStep:
 
         Args:
             local_noise_std: Std of the noise this rank adds.
-            noise_std: Std of the total noise on the clipped sum, σΔ.
+            noise_std: Std of the total noise on the clipped sum at this step, σΔ (for correlated
+                noise the std of z_t, which the optimizer's DP plan is told).
             expected_batch_size: The public q·N.
             reduce: The cross-rank sum of one bucket, or ``None`` on one process.
             step: Index of this noisy step.
