@@ -160,6 +160,8 @@ class Settings:
     optimizer_args: dict[str, Any]
     gpu: bool
     world_size: int
+    noise_buffers: int = 0
+    """Secret fp32 buffers of the noised size a correlated noise mechanism keeps (b - 1 banded, m BLT)."""
 
 
 def settings_of(config: Mapping[str, Any]) -> Settings:
@@ -190,7 +192,18 @@ def settings_of(config: Mapping[str, Any]) -> Settings:
         optimizer_args=_init_args(optimizer) if isinstance(optimizer, Mapping) else {},
         gpu=accelerator not in ("cpu",),
         world_size=int(trainer.get("num_nodes", 1) or 1) * (devices if isinstance(devices, int) else 1),
+        noise_buffers=_noise_buffers(strategy),
     )
+
+
+def _noise_buffers(strategy: Mapping[str, Any]) -> int:
+    """Buffers of the correlated noise state: b - 1 for ``band_mf``, ``blt_buffers`` for ``blt``, else 0."""
+    mechanism = strategy.get("noise_mechanism", "gaussian")
+    if mechanism == "band_mf":
+        return max(int(strategy.get("bands") or 1) - 1, 0)
+    if mechanism == "blt":
+        return int(strategy.get("blt_buffers") or 0)
+    return 0
 
 
 def physical_batch(expected: int, accumulate: int, sigmas: float, poisson: bool) -> int:
@@ -878,6 +891,10 @@ def assemble(sv: Survey, sigmas: float = DEFAULT_SIGMAS, accumulate: int | None 
         *_backward(s, sv.layers, held, rows, sv.trainable, sv.projected),
         *_optimizer(s, sv.trainable, sv.largest, states, sv.slots),
     ]
+    if s.noise_buffers:  # on every noising rank (rank 0 under noise_placement="rank0"); secret, never saved
+        noised = sv.slots if sv.slots is not None else sv.trainable
+        detail = f"{s.noise_buffers} fp32 buffers of the {noised:,} noised elements, secret"
+        components.append(Component("correlated noise state", s.noise_buffers * noised * 4, "static", detail))
     engines = {"book_keeping": 0, "instantiate": 0}
     for layer in sv.layers:
         engines["book_keeping" if layer.factored(s.engine, s.max_length) else "instantiate"] += 1

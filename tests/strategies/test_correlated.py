@@ -30,9 +30,11 @@ from dplightning.callbacks import PrivacyBudget
 from dplightning.export import load_checkpoint, privacy_of
 from dplightning.privacy.matrix_mechanism import Workload, optimize_banded, sensitivity_brute_force
 from dplightning.privacy.noise import GaussianNoise, derive_seed
+from dplightning.protocols import DPRelease
 from dplightning.report import format_report, privacy_report
 from dplightning.strategies._dp import CHECKPOINT_KEY
 from dplightning.strategies.accounting import InconsistentLedger, check_ledger
+from examples.dp_plan_optimizer import ProjectedSGD
 from tests.helpers import DEVICE, TinyModule, loader, make_dataset, make_trainer, mlp, params_of
 from tests.reference import clipped_sum, per_example_grads
 
@@ -292,6 +294,10 @@ def test_the_secret_noise_state_is_never_in_the_checkpoint_and_resume_is_refused
                            callbacks=[track])  # fmt: skip
     trainer.fit(TinyModule(zero_loss=True, optimizer=lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.5)),
                 loader(make_dataset(N), BATCH))  # fmt: skip
+    # The state memory-plan and the docs state: 2 fp32 buffers of the noised size (bands - 1 = blt_buffers = 2).
+    noised = sum(p.numel() for p in track.params[0].values())
+    assert [t.dtype for t in track.state] == [torch.float32] * len(track.state)
+    assert sum(t.numel() for t in track.state) == 2 * noised
     secret = torch.cat([t.flatten().cpu() for t in track.state])
     secret = secret[secret != 0]
     assert secret.numel() > 0
@@ -392,3 +398,31 @@ def test_changing_trainable_parameters_mid_run_is_refused() -> None:
     dp = strategy(noise_mechanism="band_mf", bands=2, noise_multiplier=1.0)
     with pytest.raises(RuntimeError, match="trainable parameters changed at step 1"):
         make_trainer(dp, max_steps=3).fit(_Unfreezes(), loader(make_dataset(N), BATCH))
+
+
+class _KeepsReleases(ProjectedSGD):
+    """An optimizer with a DP plan (projected slots, one clip group per matrix) that keeps every release."""
+
+    def dp_release(self, release: DPRelease) -> None:
+        super().dp_release(release)
+        order = [p for g in release.groups for p in g.params]  # the bucket layout: group by group
+        flat = torch.cat([release.slots[p].flatten() for p in order]).double().cpu().numpy()
+        self.kept = [*getattr(self, "kept", []), (flat, release.noise_std, len(release.groups))]
+
+
+def test_an_optimizer_plan_receives_correlated_noise_on_its_slots_and_its_per_step_std() -> None:
+    sigma, c, steps, seed = 0.8, 0.5, 5, 3
+    module = TinyModule(zero_loss=True, optimizer=lambda params: _KeepsReleases(params, lr=0.1, rank=2))
+    dp = strategy(noise_mechanism="band_mf", bands=2, noise_multiplier=sigma, max_grad_norm=c, seed=seed)
+    make_trainer(dp, max_steps=steps).fit(module, loader(make_dataset(N), BATCH))
+    kept = module.trainer.optimizers[0].kept
+    assert len(kept) == steps and kept[0][2] > 1  # several clip groups of the plan, joint sensitivity c
+    released = np.stack([flat for flat, _, _ in kept])
+    cmat = _banded_matrix(dp.noise_strategy.coefs, steps)
+    white = _white(seed, 0, released.shape[1], steps, sigma * c)
+    np.testing.assert_allclose(released, scipy.linalg.solve_triangular(cmat, white, lower=True) / BATCH,
+                               rtol=1e-4, atol=1e-6)  # fmt: skip
+    # The std the plan is told is that of z_t: σ Δ times the norm of row t of C⁻¹ (not σ Δ).
+    rows = np.linalg.norm(np.linalg.inv(cmat), axis=1)
+    np.testing.assert_allclose([s for _, s, _ in kept], sigma * c * rows / BATCH, rtol=1e-9)
+    assert not np.allclose(rows, 1.0)
