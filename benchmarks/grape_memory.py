@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=1 python benchmarks/grape_memory.py                 # both models, every runner
     OMP_NUM_THREADS=1 python benchmarks/grape_memory.py --models vit --steps 4
+    OMP_NUM_THREADS=1 python benchmarks/grape_memory.py --curve --out benchmarks/results/grape_memory_curve_cpu.json \
+        --figures docs/figures          # peak memory against the batch size, planner beside it
 
 Models (random weights from a config, random inputs and labels, 10 classes):
 
@@ -35,6 +37,14 @@ profiler (``_harness.StepClock``: the gap between step starts, warm-up dropped),
 **Largest batch in a budget**: peak memory is affine in the batch, so it is measured at two batch
 sizes per runner and the fit's largest batch under ``--budget-mib`` is reported (``--check-largest``
 measures it once at that batch, to check the fit).
+
+**The curve** (``--curve``): peak memory of every runner at each batch of ``--batches`` (default
+1, 2, 8, 32, 128), each point in a fresh process as above, no timing. Beside every DP point of
+``roberta`` stands the planner's estimate (``dplightning.planning.memory.plan`` of the same
+shape as a ``DPSequenceClassifier`` fit config: engine ``auto`` for ``dp-adam`` and ``dp-grape``,
+``instantiate`` for ``dp-adam-inst``); the planner models Hugging Face text models only, so the
+ViT and the two non-dplightning runners have no estimate. The figure plots peak MiB against B
+per model; the JSON also holds DP-GRAPE's ratio to every other runner at every B.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ import json
 import math
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +62,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from _harness import StepClock, in_fresh_process, measured, summarise, write_report
-from _outputs import default_result
+from _outputs import default_figures, default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -204,6 +215,89 @@ def _largest_batch(points: dict[int, float], budget: float) -> int:
     return max(int(math.floor(b1 + (budget - m1) / slope)), 0) if slope > 0 else -1
 
 
+def planned_mib(model: str, runner: str, batch: int, rank: int) -> float | None:
+    """The planner's peak for ``runner`` at ``batch`` (MiB), or ``None`` where it has no model of the run."""
+    if model != "roberta" or runner not in ("dp-adam", "dp-adam-inst", "dp-grape"):
+        return None
+    from dplightning.planning.memory import plan
+
+    grape = runner == "dp-grape"
+    args = {**HYPER, "betas": list(HYPER["betas"]), **({"rank": rank, "refresh_every": 100} if grape else {})}
+    optimizer = {"class_path": "dplightning.optim.DPGrape" if grape else "torch.optim.AdamW", "init_args": args}
+    strategy = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "poisson_sampling": False, "verify_gradients": "never",
+                "clipping_engine": "instantiate" if runner == "dp-adam-inst" else "auto"}  # fmt: skip
+    config = {
+        "trainer": {"accelerator": "cpu", "precision": "32-true",
+                    "strategy": {"class_path": "dplightning.DPStrategy", "init_args": strategy}},
+        "model": {"class_path": "dplightning.modules.DPSequenceClassifier",
+                  "init_args": {"config": dict(MODELS["roberta"]), "num_labels": 10, "optimizer": optimizer}},
+        "data": {"init_args": {"batch_size": batch, "max_length": TOKENS}},
+    }  # fmt: skip
+    return plan(config).peak / 2**20
+
+
+def curve(
+    models: list[str], runners: list[str], batches: list[int], rank: int, steps: int,
+    save: Callable[[dict[str, Any]], None], done: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Measured (fresh process per point) and planned peak MiB of every runner at every batch.
+
+    ``save`` gets the results after every point, so a crash loses one point; ``done`` holds the
+    points of an earlier run of the same settings, which are kept instead of measured again.
+    """
+    results: dict[str, Any] = done or {}
+    for model in models:
+        rows = results.setdefault(model, {})
+        for runner in runners:
+            points = rows.setdefault(runner, {})
+            for b in batches:
+                if str(b) in points:
+                    continue
+                got = in_fresh_process(peak_memory, (model, runner, b, rank, steps), 100.0, f"{model}/{runner}/B={b}")
+                planned = planned_mib(model, runner, b, rank)
+                points[str(b)] = {"measured_mib": got["peak_mib"], "planned_mib": planned}
+                note = f", planner {planned:.1f} ({planned / got['peak_mib'] - 1:+.0%})" if planned else ""
+                print(f"{model}/{runner} B={b}: {got['peak_mib']:.1f} MiB{note}", flush=True)
+                save(results)
+        if "dp-grape" in rows:
+            rows["dp-grape_ratio"] = {
+                other: {b: rows["dp-grape"][b]["measured_mib"] / rows[other][b]["measured_mib"] for b in rows[other]}
+                for other in runners if other != "dp-grape"
+            }  # fmt: skip
+    return results
+
+
+def curve_figure(results: dict[str, Any], path: Path) -> None:
+    """Peak MiB against B, one panel per model; measured solid, the planner's estimate dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False)
+    for ax, (model, rows) in zip(axes[0], results.items()):
+        for i, (runner, points) in enumerate((r, p) for r, p in rows.items() if r in RUNNERS):
+            batches = [int(b) for b in points]
+            color = f"C{i}"
+            ax.plot(batches, [p["measured_mib"] for p in points.values()], "o-", color=color, label=runner)
+            planned = [(int(b), p["planned_mib"]) for b, p in points.items() if p["planned_mib"]]
+            if planned:
+                ax.plot(*zip(*planned), "x--", color=color, alpha=0.7, label=f"{runner} (planner)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size B (rows per step)")
+        ax.set_ylabel("peak allocated MiB (CPU, fp32)")
+        ax.set_title(model)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle("DP-GRAPE peak memory against the batch size (measured; planner dashed)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -217,9 +311,28 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=float, default=512.0)
     parser.add_argument("--check-largest", action="store_true", help="measure the peak at the fitted largest batch")
     parser.add_argument("--max-other-cpu", type=float, default=100.0, help="retry above this foreign CPU share (%%)")
-    parser.add_argument("--out", type=Path, default=default_result("grape_memory_cpu.json"))
+    parser.add_argument("--curve", action="store_true", help="peak memory at every --batches point (no timing)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 2, 8, 32, 128], help="the curve's batches")
+    parser.add_argument("--figures", type=Path, default=default_figures(), help="the curve's figure folder")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON record (default: outputs/benchmarks/)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.curve:
+        out = args.out or default_result("grape_memory_curve_cpu.json")
+        settings = {**vars(args), "figures": str(args.figures)}
+        done = None
+        if out.exists():  # resume a run of the same settings (a crash loses one point, not the curve)
+            old = json.loads(out.read_text())
+            same = all(old.get(k) == settings[k] for k in ("rank", "memory_steps"))
+            done = old["results"] if same and old.get("benchmark") == "grape_memory_curve" else None
+            if done is None:
+                raise SystemExit(f"{out} holds another benchmark or other settings: move it away or pick --out")
+        results = curve(args.models, args.runners, args.batches, args.rank, args.memory_steps,
+                        lambda r: write_report(out, "grape_memory_curve", 1, settings, results=r), done)  # fmt: skip
+        write_report(out, "grape_memory_curve", 1, settings, results=results)
+        curve_figure(results, args.figures / f"{out.stem}.png")
+        return
+    args.out = args.out or default_result("grape_memory_cpu.json")
     results: dict[str, Any] = {}
     for model in args.models:
         rows: dict[str, Any] = {}

@@ -504,6 +504,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"muon_sst2: skipped: {reason}")
         return {}
     torch.set_num_threads(1)
+    # Forked workers inherit the modules loaded here; one they imported later would be read from disk as it is
+    # then, which an edit made while the experiment runs could make inconsistent with the loaded ones.
+    import dplightning.optim  # noqa: F401
+
     if args.grape and args.controls:
         parser.error("--grape has no control arms")
     exp = experiment(args.smoke, args.controls, args.data, args.pool_rows, args.steps, args.grape)
