@@ -25,6 +25,10 @@ from typing import Any
 from dplightning.export import TRUST_HELP, exit_status, load_checkpoint, privacy_of
 from dplightning.strategies._dp import CHECKPOINT_KEY
 from dplightning.strategies.accounting import SEEDED_RISK, library_versions
+from dplightning.strategies.correlated import NoiseMechanism
+
+DP_SGD = NoiseMechanism().describe()
+"""The mechanism of every run without ``noise_mechanism`` (its report shows no row for it)."""
 
 MATCH_RTOL = 1e-6
 """Relative tolerance between the stored and the recomputed ε (the same accountant gives the same float)."""
@@ -92,7 +96,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("stored ε", f"{_fmt(report['epsilon_stored'])} ({match})"),
         ("target ε", _fmt(report["target_epsilon"])),
         ("accountant", report["accountant"]),
-        ("noise mechanism", report["noise_mechanism"]),
+        *([("noise mechanism", report["noise_mechanism"])] if report["noise_mechanism"] != DP_SGD else []),
         ("steps", f"{report['steps']} (global_step {_fmt(report['global_step'])})"),
         ("history (σ, q, steps)", _fmt(report["history"])),
         ("noise multiplier σ", _fmt(report["noise_multiplier"])),
