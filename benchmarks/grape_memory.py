@@ -267,6 +267,27 @@ def curve(
     return results
 
 
+def curve_markdown(results: dict[str, Any]) -> str:
+    """The curve as markdown tables: measured MiB (planner in brackets) and DP-GRAPE's ratio, per model."""
+    lines = []
+    for model, rows in results.items():
+        runners = [r for r in rows if r in RUNNERS]
+        batches = list(rows[runners[0]])
+        lines += [f"**{model}**: peak MiB (planner)", "", "| runner | " + " | ".join(f"B={b}" for b in batches) + " |",
+                  "|---|" + "---|" * len(batches)]  # fmt: skip
+        for runner in runners:
+            cells = []
+            for b in batches:
+                point = rows[runner][b]
+                planned = f" ({point['planned_mib']:.0f})" if point["planned_mib"] else ""
+                cells.append(f"{point['measured_mib']:.0f}{planned}")
+            lines.append(f"| {runner} | " + " | ".join(cells) + " |")
+        for other, ratios in rows.get("dp-grape_ratio", {}).items():
+            lines.append(f"| dp-grape ÷ {other} | " + " | ".join(f"{ratios[b]:.2f}" for b in batches) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def curve_figure(results: dict[str, Any], path: Path) -> None:
     """Peak MiB against B, one panel per model; measured solid, the planner's estimate dashed."""
     import matplotlib
@@ -327,10 +348,17 @@ def main() -> None:
             done = old["results"] if same and old.get("benchmark") == "grape_memory_curve" else None
             if done is None:
                 raise SystemExit(f"{out} holds another benchmark or other settings: move it away or pick --out")
-        results = curve(args.models, args.runners, args.batches, args.rank, args.memory_steps,
-                        lambda r: write_report(out, "grape_memory_curve", 1, settings, results=r), done)  # fmt: skip
-        write_report(out, "grape_memory_curve", 1, settings, results=results)
+        measured: list[bool] = []
+
+        def save(r: dict[str, Any]) -> None:
+            measured.append(True)
+            write_report(out, "grape_memory_curve", 1, settings, results=r)
+
+        results = curve(args.models, args.runners, args.batches, args.rank, args.memory_steps, save, done)
+        if measured:  # a rerun that measures nothing keeps the record's command and environment
+            write_report(out, "grape_memory_curve", 1, settings, results=results)
         curve_figure(results, args.figures / f"{out.stem}.png")
+        print(curve_markdown(results))
         return
     args.out = args.out or default_result("grape_memory_cpu.json")
     results: dict[str, Any] = {}

@@ -48,5 +48,7 @@ def test_the_curve_saves_every_point_and_resumes_without_measuring_again(gm: Mod
     calls.clear()
     again = gm.curve(["vit"], runners, [1, 8], 16, 2, lambda r: None, first)
     assert calls == [("vit", "dp-grape", 8)] and again["vit"]["dp-grape"]["8"]["measured_mib"] == 58.0
+    table = gm.curve_markdown(again)
+    assert "| dp-grape | 51 | 58 |" in table and "| dp-grape ÷ dp-adam | 0.50 | 0.54 |" in table
     gm.curve_figure(again, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 0
