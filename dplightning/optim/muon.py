@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -183,7 +183,8 @@ class DPMuon(torch.optim.Optimizer):
 
         The DP strategies call it before :meth:`dp_plan`; without one, call it once with the model.
         """
-        self._stored_transposed = {m.weight for m in module.modules() if is_hf_conv1d(m)}
+        # Module.__getattr__ types the weight as Tensor | Module; a Conv1D's is a parameter.
+        self._stored_transposed = {cast(Tensor, m.weight) for m in module.modules() if is_hf_conv1d(m)}
 
     def dp_plan(self, named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> DPPlan:
         """Each Muon matrix its own clip group, the other parameters one group (or all one, ``"flat"``); Δ = C."""
@@ -220,7 +221,8 @@ class DPMuon(torch.optim.Optimizer):
         noise_var = release.noise_std**2 if release is not None else 0.0
         slots = release.slots if release is not None else {}
         for group in self.param_groups:
-            muon, adam = [], []
+            muon: list[tuple[Tensor, Tensor]] = []
+            adam: list[tuple[Tensor, Tensor]] = []
             for p in group["params"]:
                 g = slots.get(p, p.grad)
                 if g is None:
@@ -334,8 +336,8 @@ class DPMuon(torch.optim.Optimizer):
         """Load what :meth:`state_dict` saved."""
         state_dict = dict(state_dict)
         self._generator_states = dict(state_dict.pop("dpmuon_generators", {}))
-        self.corrected_fraction = tuple(state_dict.pop("dpmuon_corrected_fraction", (0, 0)))  # type: ignore[assignment]
-        self.guard_open = tuple(state_dict.pop("dpmuon_guard_open", (0, 0)))  # type: ignore[assignment]
+        self.corrected_fraction = tuple(state_dict.pop("dpmuon_corrected_fraction", (0, 0)))
+        self.guard_open = tuple(state_dict.pop("dpmuon_guard_open", (0, 0)))
         self._generators = {}
         super().load_state_dict(state_dict)
 

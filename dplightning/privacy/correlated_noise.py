@@ -10,6 +10,7 @@ b-banded strategy, one per buffer for BLT).
 from __future__ import annotations
 
 import hashlib
+from typing import cast
 
 import numpy as np
 import torch
@@ -97,7 +98,7 @@ class CorrelatedNoise:
         """Restore :meth:`state_dict` of a stream with the same strategy and std."""
         if state["digest"] != self._digest():
             raise ValueError("This state belongs to another strategy or noise std.")
-        buffers = [t.clone() for t in state["state"]]  # type: ignore[union-attr]
+        buffers = [t.clone() for t in cast("list[Tensor]", state["state"])]  # as state_dict wrote it
         if len(buffers) != self.strategy.buffers:
             raise ValueError(f"Expected {self.strategy.buffers} buffers, got {len(buffers)}.")
         self.step_index = int(state["step"])  # type: ignore[call-overload]

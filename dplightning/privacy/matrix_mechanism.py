@@ -281,7 +281,8 @@ def toeplitz_sensitivity(coefs: np.ndarray, n: int, min_sep: int, max_count: int
 class Strategy(Protocol):
     """A strategy matrix C for ``n`` steps that can generate C⁻¹ w one step at a time."""
 
-    n: int
+    @property
+    def n(self) -> int: ...  # read-only: the strategies are frozen dataclasses
 
     @property
     def buffers(self) -> int: ...

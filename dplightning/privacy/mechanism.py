@@ -136,13 +136,13 @@ class GradientPrivatizer:
             for b in self.buckets:
                 b.zero_()
             self._released = False
-        grads = {p: g if isinstance(g, PerExampleGrad) else Dense(g) for p, g in grads.items()}
-        rows = {g.rows for g in grads.values()}
+        per_example = {p: g if isinstance(g, PerExampleGrad) else Dense(g) for p, g in grads.items()}
+        rows = {g.rows for g in per_example.values()}
         if len(rows) > 1:
             raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(rows)}.")
         n = rows.pop() if rows else 0
         selected = list(range(len(self.groups))) if groups is None else list(groups)
-        param_sq = self._param_sq_norms(grads, n) * scale**2
+        param_sq = self._param_sq_norms(per_example, n) * scale**2
         norms = param_sq.new_zeros(n, len(self.groups))
         for j in selected:
             norms[:, j] = param_sq[:, self._group_columns[j]].sum(1).sqrt()
@@ -150,7 +150,7 @@ class GradientPrivatizer:
         # A partial accumulation's count is left to merge_stats: one device sync per backward pass, not per group.
         nonfinite = int(n - finite.sum().item()) if groups is None else 0
         factors = {j: clip_factors(norms[:, j], self.groups[j].max_norm) * finite * scale for j in selected}
-        for p, g in grads.items():
+        for p, g in per_example.items():
             self.slot(p).add_(g.weighted_sum(factors[self._group_of[p]]))
         return MicroBatchStats(norms=norms, param_sq_norms=param_sq, nonfinite=nonfinite)
 

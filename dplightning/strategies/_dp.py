@@ -24,7 +24,7 @@ import secrets
 import uuid
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -53,6 +53,7 @@ from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise, derive_seed
 from dplightning.protocols import CountsExamples, ShowsEpsilon
 from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount, _OptimizerMetrics
+from dplightning.strategies._trainer import trainer_callbacks
 from dplightning.strategies.accounting import PrivacyAccounting, library_versions
 from dplightning.strategies.checkpoint import atomic_save, is_local_path
 from dplightning.strategies.config import DPConfig
@@ -68,6 +69,10 @@ CHECKPOINT_KEY = "dplightning"
 
 class _DPHooks(Strategy):
     """DP-SGD's Lightning hooks, placed before a concrete Strategy in the MRO (``super()`` is that Strategy)."""
+
+    if TYPE_CHECKING:  # given by that concrete Strategy (an attribute of SingleDeviceStrategy, a property of DDP's)
+        global_rank: int
+        world_size: int
 
     def _dp_init(self, config: DPConfig) -> None:
         self.dp_config = config
@@ -318,10 +323,10 @@ class _DPHooks(Strategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        step, parent = self.private_step, super()
+        step, parent_step = self.private_step, super().training_step
         if step is None:
-            return parent.training_step(*args, **kwargs)
-        return self._private_training_step(step, lambda: parent.training_step(*args, **kwargs), args, kwargs)
+            return parent_step(*args, **kwargs)
+        return self._private_training_step(step, lambda: parent_step(*args, **kwargs), args, kwargs)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -388,7 +393,7 @@ class _DPHooks(Strategy):
                 "precision='16-mixed' uses a GradScaler, which scales per-example gradients and skips steps on "
                 "overflow (a data-dependent channel). Use precision='bf16-mixed' or '32-true'."
             )
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer_callbacks(trainer)):
             raise ValueError(
                 "GradientAccumulationScheduler changes the micro-batch split during training; set a constant "
                 "Trainer(accumulate_grad_batches=k) instead (k splits one Poisson batch, it does not change q)."
@@ -429,17 +434,17 @@ class _DPHooks(Strategy):
         self._engine_table = self.private_step.summary()
         report_engines(self._engine_table, list(self._engines.values()), trainer, self.is_global_zero)
         self._rows_per_unit = _rows_per_unit(module)
-        capturing = lambda: self.private_step is not None and self.private_step.hooks.capturing  # noqa: E731
+        capturing = lambda: self.private_step is not None and known(self.private_step.hooks, "the hooks").capturing  # noqa: E731
         self._extra_handles = [*refuse_batch_mean_loss(module, capturing), watch_private_logs(trainer)]
         self._nonfinite_seen, self._warned_nonfinite = 0, False
         self._released_this_fit = 0
         self._restore_dp_state(trainer)
-        if not any(isinstance(cb, ShowsEpsilon) and cb.shows_epsilon for cb in trainer.callbacks):
-            trainer.callbacks.append(_EpsilonProgress())
-        if not any(isinstance(cb, _NonfiniteCount) for cb in trainer.callbacks):
-            trainer.callbacks.append(_NonfiniteCount())
-        if not any(isinstance(cb, _OptimizerMetrics) for cb in trainer.callbacks):
-            trainer.callbacks.append(_OptimizerMetrics())
+        if not any(isinstance(cb, ShowsEpsilon) and cb.shows_epsilon for cb in trainer_callbacks(trainer)):
+            trainer_callbacks(trainer).append(_EpsilonProgress())
+        if not any(isinstance(cb, _NonfiniteCount) for cb in trainer_callbacks(trainer)):
+            trainer_callbacks(trainer).append(_NonfiniteCount())
+        if not any(isinstance(cb, _OptimizerMetrics) for cb in trainer_callbacks(trainer)):
+            trainer_callbacks(trainer).append(_OptimizerMetrics())
 
     def _check_correlated_fit(self, trainer: pl.Trainer) -> None:
         """Refuse what a correlated-noise run's accounting does not cover, before any step."""
@@ -457,7 +462,7 @@ class _DPHooks(Strategy):
             )
         from dplightning.callbacks.privacy_budget import PrivacyBudget  # not at import: callbacks import strategies
 
-        if any(isinstance(cb, PrivacyBudget) for cb in trainer.callbacks):
+        if any(isinstance(cb, PrivacyBudget) for cb in trainer_callbacks(trainer)):
             raise ValueError(
                 f"PrivacyBudget is not supported with noise_mechanism={name!r}: its stopping rule charges one "
                 "composition per step. Use target_epsilon= (σ is calibrated for the planned run) instead."
@@ -514,7 +519,8 @@ class _DPHooks(Strategy):
         if journal is None:
             return
         # Rank 0 reads (the folder need not be shared); every rank charges the same steps.
-        lost = self.broadcast(journal.released_after(self.accounting.ledger.steps) if self.is_global_zero else None)
+        released = journal.released_after(self.accounting.ledger.steps) if self.is_global_zero else None
+        lost = cast(list[tuple[float, float]], self.broadcast(released))  # rank 0's list, on every rank
         for sigma, q in lost:
             self.accounting.ledger.step(sigma, q)
         if lost:
@@ -675,11 +681,11 @@ class _DPHooks(Strategy):
         else:
             probe, kept = probe_batch(kwargs["batch"], units)
             kwargs = {**kwargs, "batch": probe}
-        parent = super()
+        parent_step = super().training_step
 
         def run() -> Tensor | None:
             with quietly(module):
-                return step_loss(parent.training_step(*args, **kwargs))
+                return step_loss(parent_step(*args, **kwargs))
 
         return CouplingProbe(run, kept, rng_state())
 
@@ -811,15 +817,15 @@ def _batch_units(module: nn.Module, batch: Any) -> int:
         if isinstance(units, bool) or not isinstance(units, int) or units < 0:
             raise ValueError(f"dp_batch_size(batch) must return an int >= 0 (units in the batch), got {units!r}.")
         return units
-    units = batch_rows(batch)
-    if units is None:
+    rows = batch_rows(batch)
+    if rows is None:
         raise TypeError(
             f"Cannot tell how many examples a training batch of type {type(batch).__name__} holds (no tensor in it "
             "as a tensor, mapping, list, tuple or dataclass). DP training needs the count to check that every layer "
             "sees one row per example and to scale a mean loss. Define `dp_batch_size(self, batch) -> int` on "
             f"{type(module).__name__} returning the number of privacy units in the batch."
         )
-    return units
+    return rows
 
 
 def _rows_per_unit(module: nn.Module) -> int:

@@ -210,19 +210,17 @@ class PrivacyAccounting:
             raise ValueError(f"noise_mechanism={name!r} needs at least one planned step, got {total}.")
 
     def _calibrate(self, total: int) -> None:
-        known(self.config.target_epsilon, "target_epsilon")
-        known(self.sample_rate, "the sample rate q")
-        known(self.delta, "δ")
+        target = known(self.config.target_epsilon, "target_epsilon")
+        q = known(self.sample_rate, "the sample rate q")
+        delta = known(self.delta, "δ")
         compositions = self.mechanism.compositions(total)
-        rate = self.mechanism.accounted_rate(self.sample_rate)  # type: ignore[arg-type]
+        rate = self.mechanism.accounted_rate(q)
         counted = f" = {compositions} compositions at q = {rate:.4g}" if self.mechanism.correlated else ""
         rank_zero_info(
             f"Calibrating σ for ε = {self.config.target_epsilon} over {total} steps{counted} "
             f"({self.config.accountant})..."
         )
-        effective = calibrate_noise_multiplier(
-            self.config.target_epsilon, self.delta, rate, compositions, self.config.accountant
-        )
+        effective = calibrate_noise_multiplier(target, delta, rate, compositions, self.config.accountant)
         # The ledger records σ_eff of everything released per step; the gradient gets what the releases leave.
         self.noise_multiplier = split_noise_multiplier(effective, self._step_releases.values())
         shared = f" (σ_eff = {effective:.4f} with step releases {self.step_releases})" if self._step_releases else ""
@@ -281,10 +279,10 @@ class PrivacyAccounting:
             if not charges:
                 return
         if self.config.poisson_sampling:
-            known(self.accounted_noise_multiplier, "the accounted σ")
-            known(self.sample_rate, "the sample rate q")
-            rate = self.mechanism.accounted_rate(self.sample_rate)  # type: ignore[arg-type]
-            self.ledger.step(self.accounted_noise_multiplier, rate)
+            sigma = known(self.accounted_noise_multiplier, "the accounted σ")
+            q = known(self.sample_rate, "the sample rate q")
+            rate = self.mechanism.accounted_rate(q)
+            self.ledger.step(sigma, rate)
 
     def report(self, engine: str, clipping: str | None = None) -> str:
         """One line with the final (ε, δ) and the parameters that produced it (``clipping``: as applied)."""

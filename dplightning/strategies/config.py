@@ -13,7 +13,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
-from typing import Literal, TypeVar, get_type_hints
+from typing import Any, Literal, TypeVar, get_type_hints
 
 from dplightning.privacy.accounting import check_accountant
 from dplightning.privacy.clipping import available_clipping
@@ -200,7 +200,7 @@ def _check_choice(name: str, value: object, choices: list[str]) -> None:
         raise ValueError(f"Unknown {name} {value!r}; choose one of {choices}.")
 
 
-_C = TypeVar("_C", bound=type)
+_C = TypeVar("_C", bound=type[Any])
 
 
 def dp_arguments(exclude: tuple[str, ...] = ()) -> Callable[[_C], _C]:
@@ -224,7 +224,7 @@ def dp_arguments(exclude: tuple[str, ...] = ()) -> Callable[[_C], _C]:
         ]
         others = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         positional, keyword = others[:1], [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in others[1:]]
-        init.__signature__ = own.replace(parameters=[*positional, *dp_params, *keyword])  # type: ignore[attr-defined]
+        init.__signature__ = own.replace(parameters=[*positional, *dp_params, *keyword])
         docs = "".join(f"        {f.name}: {_DOCS[f.name]}\n" for f in kept)
         cls.__doc__ = (cls.__doc__ or "").replace("    Args:\n", "    Args:\n" + docs, 1)
         return cls

@@ -27,13 +27,16 @@ import copy
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from dplightning.privacy.grad_sample import PerExampleGrad
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 PROBE_RTOL = 1e-3
 """Relative difference of a kept example's gradient (to the largest) above which the examples are coupled."""
@@ -83,7 +86,7 @@ def set_rng_state(state: tuple[Tensor, list[Tensor]]) -> None:
 
 
 @contextmanager
-def quietly(module: nn.Module) -> Iterator[None]:
+def quietly(module: pl.LightningModule) -> Iterator[None]:
     """Run part of a step without logging and without changing torchmetrics' accumulated states."""
     from torchmetrics import Metric
 

@@ -19,6 +19,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from dplightning.strategies._trainer import trainer_callbacks
+
 NONPRIVATE_PREFIX = "nonprivate/"
 """The label of a logged value that is a raw (not private) statistic of the training data."""
 
@@ -72,12 +74,12 @@ class PrivateLogWatch:
     def __init__(self, trainer: pl.Trainer) -> None:
         self._trainer = trainer
         self.callback = _UnlabelledPrivateLogs()
-        trainer.callbacks.append(self.callback)
+        trainer_callbacks(trainer).append(self.callback)
 
     def remove(self) -> None:
         """Detach the watch from the trainer (idempotent)."""
-        if self.callback in self._trainer.callbacks:
-            self._trainer.callbacks.remove(self.callback)
+        if self.callback in trainer_callbacks(self._trainer):
+            trainer_callbacks(self._trainer).remove(self.callback)
 
 
 def watch_private_logs(trainer: pl.Trainer) -> PrivateLogWatch:

@@ -142,9 +142,9 @@ class PrivateStep:
 
     def summary(self) -> str:
         """The engine of every hooked layer, as a table."""
-        known(self.hooks, "the per-example hooks")
+        hooks = known(self.hooks, "the per-example hooks")
         rows = [("layer", "type", "params", "engine")] + [
-            (name, kind, f"{count:,}", engine) for name, kind, count, engine in self.hooks.summary()
+            (name, kind, f"{count:,}", engine) for name, kind, count, engine in hooks.summary()
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
@@ -182,7 +182,7 @@ class PrivateStep:
         engines need only the layers' inputs and output gradients): from here to the end of its
         backward pass under automatic optimization, to the end of ``training_step`` under manual.
         """
-        known(self.hooks, "the per-example hooks")
+        hooks = known(self.hooks, "the per-example hooks")
         self._batch_units, self._rows_per_unit = units, rows_per_unit
         self._automatic, self._loss_divisor, self._probe = automatic, loss_divisor, probe
         # From the captured gradients of the backpropagated loss to each unit's own gradient.
@@ -197,7 +197,7 @@ class PrivateStep:
                 p.requires_grad_(False)
         self.buffers.snapshot()
         try:
-            with self.hooks.capture(units * rows_per_unit):
+            with hooks.capture(units * rows_per_unit):
                 yield
             self.buffers.check("training_step")
         finally:
@@ -221,12 +221,12 @@ class PrivateStep:
         Under automatic optimization the pass covers a whole micro-batch and is clipped now; under
         manual optimization it is summed with the batch's other passes until the release.
         """
-        known(self.hooks, "the per-example hooks")
+        hooks = known(self.hooks, "the per-example hooks")
         self.buffers.check("training_step and its backward pass")
         automatic, scale = self._automatic, self._scale
         if automatic:
             self.restore_weight_grads()
-        grads = self.hooks.pop(self._rows_per_unit)
+        grads = hooks.pop(self._rows_per_unit)
         if self.verifying:
             self._verify(grads)
         if self._probe is not None:
@@ -244,9 +244,9 @@ class PrivateStep:
     def _on_layer_done(self, layer: nn.Module) -> None:
         if not self._early or layer not in self._local_groups:
             return
-        known(self.hooks, "the per-example hooks")
+        hooks = known(self.hooks, "the per-example hooks")
         for j in self._local_groups[layer]:
-            grads = self.hooks.take(self.privatizer.groups[j].params, self._rows_per_unit)
+            grads = hooks.take(self.privatizer.groups[j].params, self._rows_per_unit)
             self._early_stats.append(self.privatizer.accumulate(grads, scale=self._scale, groups=[j]))
             self._early_done.add(j)
 
@@ -284,19 +284,20 @@ class PrivateStep:
     def _check_coupling(self, grads: dict[nn.Parameter, PerExampleGrad]) -> None:
         """Replay the step on the probe batch; refuse if a kept unit's gradient changed (strategies/coupling.py)."""
         probe, self._probe = known(self._probe, "the coupling probe"), None
+        hooks = known(self.hooks, "the per-example hooks")
         units = known(self._batch_units, "the batch's unit count")
         self._early = False  # the probe's gradients must not reach the buckets
         after = rng_state()
         set_rng_state(probe.rng)
         self.probing = True
         try:
-            with self.hooks.capture(units * self._rows_per_unit):
+            with hooks.capture(units * self._rows_per_unit):
                 loss = probe.run()
             if loss is not None and loss.requires_grad:
                 (loss / self._loss_divisor).backward()
         finally:
             self.probing = False
-            replayed = self.hooks.pop(self._rows_per_unit)
+            replayed = hooks.pop(self._rows_per_unit)
             set_rng_state(after)
         if units < 2 or loss is None:
             return

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 from torch import Tensor, nn
 
@@ -100,22 +100,28 @@ class Instantiate(Engine):
 # ---------------------------------------------------------------- factored layers
 
 
+def _weight(layer: nn.Module) -> nn.Parameter:
+    """The weight of a layer the engines factor (every factored kind has one)."""
+    # nn.Module.__getattr__ types attributes as Tensor | Module; torch types most weights as Tensor.
+    return cast(nn.Parameter, layer.weight)
+
+
 def _tokens(t: Tensor) -> Tensor:
     """``[n, ..., d]`` -> ``[n, T, d]`` (T = 1 for a plain ``[n, d]`` input)."""
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])  # explicit T: n may be 0
 
 
-def _linear(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
+def _linear(layer: Any, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
     a, d = _tokens(call.args[0]), _tokens(grad)
     return Factored(d, a.to(d.dtype), layer.weight.shape[0], layer.weight.shape), d.sum(1)
 
 
-def _hf_conv1d(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
+def _hf_conv1d(layer: Any, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
     a, d = _tokens(call.args[0]), _tokens(grad)  # weight is [in, out]: g_i = A_iᵀ Δ_i
     return Factored(a.to(d.dtype), d, layer.weight.shape[0], layer.weight.shape), d.sum(1)
 
 
-def _embedding(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, None]:
+def _embedding(layer: Any, call: LayerCall, grad: Tensor) -> tuple[Factored, None]:
     ids = call.args[0].reshape(grad.shape[0], math.prod(grad.shape[1:-1])).long()
     d = _tokens(grad)
     if layer.padding_idx is not None:  # autograd gives the padding row no gradient
@@ -123,7 +129,7 @@ def _embedding(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factore
     return Factored(ids, d, layer.weight.shape[0], layer.weight.shape), None
 
 
-def _conv(layer: nn.Module, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
+def _conv(layer: Any, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
     n = grad.shape[0]
     cols = conv_columns(layer, call.args[0].to(grad.dtype))  # [n, C k, P], padded as the layer pads
     d = grad.reshape(n, grad.shape[1], math.prod(grad.shape[2:])).transpose(1, 2)  # [n, P, out]
@@ -186,8 +192,8 @@ class BookKeeping(Engine):
             return self._fallback.grads(layer, call, output_grads)
         weight, bias_grad = kind(layer, call, grad)
         out: dict[nn.Parameter, PerExampleGrad] = {}
-        if layer.weight.requires_grad:
-            out[layer.weight] = weight
+        if _weight(layer).requires_grad:
+            out[_weight(layer)] = weight
         bias = getattr(layer, "bias", None)
         if isinstance(bias, nn.Parameter) and bias.requires_grad and bias_grad is not None:
             out[bias] = Dense(bias_grad)
@@ -200,7 +206,7 @@ class BookKeeping(Engine):
     def describe(self, layer: nn.Module) -> str:
         if factored_kind(layer) is None:
             return self._fallback.describe(layer)
-        limit = math.isqrt(max(math.prod(layer.weight.shape) // 2 - 1, 0))
+        limit = math.isqrt(max(math.prod(_weight(layer).shape) // 2 - 1, 0))
         return f"book_keeping (ghost norm for T <= {limit})"
 
 
@@ -209,7 +215,7 @@ class Auto(BookKeeping):
     """Book-keeping for calls where the ghost norm pays (2T² < a·b), instantiation for the others."""
 
     def factor(self, layer: nn.Module, call: LayerCall, grad: Tensor) -> bool:
-        return 2 * weight_tokens(layer, call, grad) ** 2 < math.prod(layer.weight.shape)
+        return 2 * weight_tokens(layer, call, grad) ** 2 < math.prod(_weight(layer).shape)
 
     def settle(self, grad: PerExampleGrad) -> PerExampleGrad:
         """Form a projected slot's g_i when that is smaller than its factors (DP-GRAPE: n·m·r vs n·T·(m + r)).
@@ -229,5 +235,5 @@ class Auto(BookKeeping):
     def describe(self, layer: nn.Module) -> str:
         if factored_kind(layer) is None:
             return self._fallback.describe(layer)
-        limit = math.isqrt(max(math.prod(layer.weight.shape) // 2 - 1, 0))
+        limit = math.isqrt(max(math.prod(_weight(layer).shape) // 2 - 1, 0))
         return f"book_keeping for T <= {limit}, else instantiate"

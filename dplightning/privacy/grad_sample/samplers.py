@@ -22,7 +22,7 @@ gradient is:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +109,10 @@ GradSampler = Callable[[nn.Module, LayerCall, list["Tensor | None"]], dict[nn.Pa
 
 OpacusSampler = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
 
+# The samplers below read their layer's attributes by name (weight, bias, padding_idx, ...). They take it as
+# ``Any``: ``nn.Module.__getattr__`` types every attribute as ``Tensor | Module``, torch types most weights
+# as ``Tensor`` (not ``Parameter``), and the Hugging Face layers are matched by name, never imported.
+
 
 def _opacus(sampler: OpacusSampler) -> GradSampler:
     def run(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
@@ -117,7 +121,7 @@ def _opacus(sampler: OpacusSampler) -> GradSampler:
     return run
 
 
-def _embedding(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+def _embedding(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     opacus_embedding = GradSampleHooks.GRAD_SAMPLERS[nn.Embedding]
     out = opacus_embedding(layer, call.activations, grads[0])
     if layer.padding_idx is not None and layer.weight in out:
@@ -125,10 +129,9 @@ def _embedding(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) ->
     return out
 
 
-def _hf_conv1d(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+def _hf_conv1d(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # Conv1D computes y = x @ W + b with W stored [in, out] (transposed with respect to nn.Linear).
-    a, b = call.args[0], grads[0]
-    known(b, "the layer's output gradient")
+    a, b = call.args[0], known(grads[0], "the layer's output gradient")
     a3 = a.reshape(a.shape[0], -1, a.shape[-1])
     b3 = b.reshape(b.shape[0], -1, b.shape[-1]).to(a3.dtype)
     out: dict[nn.Parameter, Tensor] = {}
@@ -139,7 +142,7 @@ def _hf_conv1d(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) ->
     return out
 
 
-def _hf_vit_embeddings(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+def _hf_vit_embeddings(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # ViTEmbeddings owns the [CLS] token and the position embeddings directly (its patch projection is
     # a Conv2d child with its own hook): out = dropout(cat(cls, patches) + position_embeddings).
     interpolate = call.kwargs.get("interpolate_pos_encoding", call.args[2] if len(call.args) > 2 else False)
@@ -150,8 +153,7 @@ def _hf_vit_embeddings(layer: nn.Module, call: LayerCall, grads: list[Tensor | N
             "gradient of its output, which is exact without interpolate_pos_encoding, bool_masked_pos or "
             "embedding dropout: set hidden_dropout_prob=0 (the embeddings' dropout) or freeze them."
         )
-    grad = grads[0]
-    known(grad, "the layer's output gradient")
+    grad = known(grads[0], "the layer's output gradient")
     out: dict[nn.Parameter, Tensor] = {}
     if layer.cls_token.requires_grad:
         out[layer.cls_token] = grad[:, :1].unsqueeze(1)
@@ -168,7 +170,7 @@ def _call_arg(call: LayerCall, index: int, names: tuple[str, ...], default: Any 
     return call.args[index] if len(call.args) > index else default
 
 
-def _hf_opt_positions(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+def _hf_opt_positions(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # OPT's learned positions take the attention mask, not ids (Opacus fails on them): the ids
     # are recomputed exactly as OPTLearnedPositionalEmbedding.forward does, then looked up per example.
     mask = _call_arg(call, 0, ("attention_mask",))
@@ -182,17 +184,16 @@ def _hf_opt_positions(layer: nn.Module, call: LayerCall, grads: list[Tensor | No
     return opacus_embedding(layer, [positions + layer.offset], grads[0])
 
 
-def _hf_rms_norm(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+def _hf_rms_norm(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # y = w * (x / rms(x)), normalised in fp32 and cast back, as LlamaRMSNorm (and its copies) compute it.
-    x, grad = call.args[0], grads[0]
-    known(grad, "the layer's output gradient")
+    x, grad = call.args[0], known(grads[0], "the layer's output gradient")
     h = x.float()
     normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon)).to(x.dtype)
     per_token = (grad * normed).float()
     return {layer.weight: per_token.reshape(per_token.shape[0], -1, per_token.shape[-1]).sum(1)}
 
 
-def conv_columns(layer: nn.Module, x: Tensor) -> Tensor:
+def conv_columns(layer: Any, x: Tensor) -> Tensor:
     """``[n, C·k, P]``: the input patches each kernel position sees, padded as the layer pads.
 
     The layer's padding (any ``padding_mode``, ``padding="same"`` with its uneven split) is
@@ -210,10 +211,9 @@ def conv_columns(layer: nn.Module, x: Tensor) -> Tensor:
     return F.unfold(x, layer.kernel_size, dilation=layer.dilation, stride=layer.stride)
 
 
-def _conv(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+def _conv(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # g_i = Δ_i colsᵀ per group: output channels of group j see input channels of group j only.
-    grad = grads[0]
-    known(grad, "the layer's output gradient")
+    grad = known(grads[0], "the layer's output gradient")
     n, groups = grad.shape[0], layer.groups
     params = [p for p in (layer.weight, layer.bias) if p is not None and p.requires_grad]
     if n == 0:
@@ -229,9 +229,8 @@ def _conv(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict
     return out
 
 
-def _layer_norm(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
-    grad = grads[0]
-    known(grad, "the layer's output gradient")
+def _layer_norm(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+    grad = known(grads[0], "the layer's output gradient")
     out: dict[nn.Parameter, Tensor] = {}
     if layer.weight is not None and layer.weight.requires_grad:
         normed = F.layer_norm(call.args[0].to(grad.dtype), layer.normalized_shape, eps=layer.eps)
@@ -241,12 +240,11 @@ def _layer_norm(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -
     return out
 
 
-def _embedding_bag(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+def _embedding_bag(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # Bag b looks its ids up in its own copy b of the table (ids shifted by b·V), so autograd's
     # gradient of the copies is every bag's own, in every mode (max picks the same rows in each
     # copy). Padding ids keep pointing at one shared row, whose gradient autograd leaves at zero.
-    grad = grads[0]
-    known(grad, "the layer's output gradient")
+    grad = known(grads[0], "the layer's output gradient")
     if not layer.weight.requires_grad:
         return {}
     ids, offsets = _call_arg(call, 0, ("input",)), _call_arg(call, 1, ("offsets",))
@@ -270,10 +268,9 @@ def _embedding_bag(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]
     return {layer.weight: table_grad[: n * vocab].view(n, vocab, layer.embedding_dim)}
 
 
-def _bilinear(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+def _bilinear(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # y_o = x1ᵀ W_o x2 + b_o: g_i = Σ_t Δ_t ⊗ x1_t ⊗ x2_t over the positions t of example i.
-    grad = grads[0]
-    known(grad, "the layer's output gradient")
+    grad = known(grads[0], "the layer's output gradient")
     n = grad.shape[0]
     x1, x2 = _call_arg(call, 0, ("input1",)), _call_arg(call, 1, ("input2",))
     d = grad.reshape(n, -1, grad.shape[-1])
@@ -286,10 +283,9 @@ def _bilinear(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> 
     return out
 
 
-def _prelu(layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
+def _prelu(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # y = max(0, x) + a·min(0, x) per channel (dim 1), or with one a for every element.
-    grad, x = grads[0], call.args[0]
-    known(grad, "the layer's output gradient")
+    grad, x = known(grads[0], "the layer's output gradient"), call.args[0]
     if not layer.weight.requires_grad:
         return {}
     n = grad.shape[0]
@@ -368,7 +364,7 @@ def functorch_grad_sample(layer: nn.Module, call: LayerCall, grads: list[Tensor 
     leaves, spec = tree_flatten((call.args, call.kwargs))
     batched = _per_example_inputs(layer, call, leaves)
 
-    def loss(params: dict[str, Tensor], inputs: list[Tensor], out_grads: list[Tensor]) -> Tensor:
+    def loss(params: Mapping[str, Tensor], inputs: list[Tensor], out_grads: list[Tensor]) -> Tensor:
         full = list(leaves)
         for (i, (_, grouped)), t in zip(batched.items(), inputs):
             full[i] = t if grouped else t.unsqueeze(0)

@@ -45,7 +45,7 @@ def handled_per_layer(module: nn.Module) -> bool:
 
 
 _LINEAR_CROSS_ENTROPY: tuple[type[nn.Module], ...] = tuple(filter(None, [getattr(nn, "LinearCrossEntropyLoss", None)]))
-_USES_CHILDREN_WEIGHTS = (nn.MultiheadAttention, *_LINEAR_CROSS_ENTROPY)
+_USES_CHILDREN_WEIGHTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, *_LINEAR_CROSS_ENTROPY)
 """Layers whose forward reads their children's weights (``out_proj.weight``) without calling the children."""
 
 
