@@ -166,6 +166,9 @@ class Experiment:
         final_seeds: Paired seeds of the final runs, at least 5.
         settings: Anything else the results depend on (data sizes, ε, steps); part of the
             record's identity, so a changed setting cannot resume an old record.
+        pairing: What the final runs share per seed, as the outputs state it (the default says
+            every arm gets the same Poisson sampling and noise seeds; say less when arms sample
+            differently).
     """
 
     name: str
@@ -176,6 +179,7 @@ class Experiment:
     tuning_seeds: Sequence[int] = (100,)
     final_seeds: Sequence[int] = (0, 1, 2, 3, 4)
     settings: Mapping[str, Any] = field(default_factory=dict)
+    pairing: str = PAIRING
 
     def __post_init__(self) -> None:
         names = [arm.name for arm in self.arms]
@@ -428,7 +432,7 @@ def _load_or_start(experiment: Experiment, out: Path, threads: int | None) -> di
         "digest": hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16],
         "command": " ".join(["python", *sys.argv]),
         "environment": environment(threads or torch.get_num_threads()),
-        "criteria_registered": experiment.criteria_record(), "pairing": PAIRING,
+        "criteria_registered": experiment.criteria_record(), "pairing": experiment.pairing,
         "status": "selection", "runs": [],
     }  # fmt: skip
 
@@ -543,7 +547,7 @@ def _write_markdown(path: Path, record: Mapping[str, Any]) -> None:
         f"# {record['experiment']}: {metric} ({'higher' if identity['higher_is_better'] else 'lower'} is better)", "",
         f"Command: `{record['command']}`; commit {env['dplightning']['commit'] or 'unknown'}"
         f"{' (uncommitted changes)' if env['dplightning']['dirty'] else ''}; {env['cpu']}, {env['threads']} threads.",
-        "", PAIRING, "",
+        "", record.get("pairing", PAIRING), "",
         "Pre-registered criteria (stored before the final runs):", "",
         *[f"- {c['text']}: **{'passed' if c['passed'] else 'not passed'}**; {c['verdict']}"
           for c in record["criteria"]],

@@ -304,6 +304,7 @@ def experiment(smoke: bool = False) -> Experiment:
         tuning_seeds=TUNING_SEEDS,
         final_seeds=FINAL_SEEDS,
         settings=settings,
+        pairing=PAIRING,
     )
 
 
@@ -328,15 +329,13 @@ def summarise(record: Mapping[str, Any]) -> dict[str, Any]:
         "max": max(m["epsilon"] for m in runs), "deltas": sorted({m["delta"] for m in runs}),
         "passed": all(low <= m["epsilon"] <= high for m in runs) and len({m["delta"] for m in runs}) == 1,
     }  # fmt: skip
-    return {"expected_error": per_arm, "equal_epsilon": equal, "pairing_here": PAIRING}
+    return {"expected_error": per_arm, "equal_epsilon": equal}
 
 
 def error_markdown(summary: Mapping[str, Any]) -> str:
     """The expected-error table appended to ``NAME.md``."""
     equal = summary["equal_epsilon"]
     lines = [
-        "", "## Pairing in this experiment", "",
-        f"The protocol's pairing line above is generic; here {PAIRING}.", "",
         "## Expected error of each arm's strategy matrix (final runs, mean over seeds)", "",
         f"Equal ε: every run's ε in [{equal['min']:.4f}, {equal['max']:.4f}] (target {equal['target']}, "
         f"tolerance {equal['rel_tol']:.0%} below, none above), δ = {', '.join(f'{d:.3g}' for d in equal['deltas'])}: "

@@ -332,3 +332,14 @@ def test_borrowing_from_another_setting_or_an_unreproducible_run_is_refused(prot
     with pytest.raises(proto.ProtocolError, match="not complete"):
         proto.run_experiment(three_arms(proto, "k", [], {"data": "x", "arms": {"B": "muon"}}),
                              out=tmp_path / "k.json", borrow={"B": old})  # fmt: skip
+
+
+def test_an_experiment_states_its_own_pairing(proto: ModuleType, tmp_path: Path) -> None:
+    """Arms that sample differently must not be described as sharing batches and noise."""
+    exp = experiment(proto, 0.1, [], name="own")
+    own = proto.Experiment(name="own", arms=exp.arms, metric="accuracy", criteria=exp.criteria,
+                           pairing="seed s shares the model init only")  # fmt: skip
+    record = run(proto, own, tmp_path)
+    text = (tmp_path / "own.md").read_text()
+    assert record["pairing"] == "seed s shares the model init only" and "shares the model init only" in text
+    assert proto.PAIRING not in text
