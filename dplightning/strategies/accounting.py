@@ -291,9 +291,13 @@ class PrivacyAccounting:
         if self.mechanism.correlated:
             shared += f"; {self.ledger.steps} composition(s) charged; {self.mechanism.describe()}"
         name = "DP-SGD" if not self.mechanism.correlated else f"noise_mechanism={self.mechanism.name}"
+        q = f"{self.sample_rate:.4g}"
+        accounted = self.mechanism.accounted_rate(self.sample_rate) if self.sample_rate is not None else None
+        if accounted is not None and accounted != self.sample_rate:  # BLT: sampled at q, accounted without it
+            q += f" sampled, accounted at q = {accounted:.4g}"
         return (
             f"{name}: (ε = {self.get_epsilon():.4g}, δ = {self.delta:.3g}) after {self.released_steps} steps "
-            f"[σ = {self.noise_multiplier:.4g}, q = {self.sample_rate:.4g}, C = {self.config.max_grad_norm}, "
+            f"[σ = {self.noise_multiplier:.4g}, q = {q}, C = {self.config.max_grad_norm}, "
             f"clipping = {clipping or self.config.clipping}, engine = {engine}, "
             f"accountant = {self.config.accountant}{shared}]"
         )

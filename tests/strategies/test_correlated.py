@@ -238,6 +238,8 @@ def test_blt_is_one_gaussian_mechanism_over_the_run_without_amplification() -> N
     _fit(prv, steps)
     assert prv.ledger.history == ((sigma, 1.0, 1),)
     assert exact <= prv.get_epsilon() <= exact * 1.01  # PRV reports an upper bound
+    line = prv.accounting.report("auto")  # the run's last log line names the rate the ledger used
+    assert f"q = {prv.accounting.sample_rate:.4g} sampled, accounted at q = 1" in line and "not amplified" in line
     rdp = strategy(noise_mechanism="blt", blt_buffers=2, cyclic_partitions=2, noise_multiplier=sigma, accountant="rdp")
     _fit(rdp, steps)
     reference = RDPAccountant()
