@@ -107,13 +107,14 @@ def _white(seed: int, stream: int, size: int, steps: int, std: float, rank: int 
 # ---------------------------------------------------------------------------------------------- the release
 
 
+@pytest.mark.parametrize("engine", ["instantiate", "book_keeping", "auto"])
 @pytest.mark.parametrize("mechanism", ["band_mf", "blt"])
-def test_zero_noise_is_dp_sgd_on_each_step_batch(mechanism: str) -> None:
+def test_zero_noise_is_dp_sgd_on_each_step_batch(mechanism: str, engine: str) -> None:
     torch.manual_seed(0)
     module, track = TinyModule(), _Track()
     extra = dict(bands=2) if mechanism == "band_mf" else dict(blt_buffers=1, cyclic_partitions=2)
-    trainer = make_trainer(strategy(noise_mechanism=mechanism, max_grad_norm=0.3, seed=1, **extra), max_steps=3,
-                           callbacks=[track])  # fmt: skip
+    dp = strategy(noise_mechanism=mechanism, max_grad_norm=0.3, seed=1, clipping_engine=engine, **extra)
+    trainer = make_trainer(dp, max_steps=3, callbacks=[track])
     trainer.fit(module, loader(make_dataset(N), BATCH))
     assert len(module.batches) == 3
     for t, (x, y) in enumerate(module.batches):
