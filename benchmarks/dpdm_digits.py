@@ -31,7 +31,13 @@ from _outputs import default_figures, default_result
 import dplightning
 from dplightning.data import DigitsDataModule
 from dplightning.data.synthetic import balanced_labels, class_sorted, save_grid
-from dplightning.metrics.synthetic import LocalFeatures, downstream_accuracy, frechet_distance
+from dplightning.metrics.synthetic import (
+    DEFAULT_STEPS,
+    LocalFeatures,
+    downstream_accuracy,
+    frechet_distance,
+    real_data_ceiling,
+)
 from dplightning.models import NCSNppUNet, SmallCNN
 from dplightning.modules import DPDiffusion, ImageClassifier
 
@@ -67,11 +73,14 @@ def run_dpdm(name: str, args, epsilon: float | None, k: int, batch_size: int, st
     images = module.generate(labels, generator=torch.Generator().manual_seed(args.seed))
     sample_s = time.perf_counter() - start
     grid = save_grid(class_sorted(images, labels, 10), Path(args.figures) / f"dpdm_digits_{name}.png", scale=4)
-    acc = downstream_accuracy((images, labels), test, epochs=args.clf_epochs)
+    acc = downstream_accuracy((images, labels), test, steps=args.clf_steps)
+    # The ceiling: the same classifiers, same protocol, on as many real training images with these class counts.
+    ceiling = real_data_ceiling(real, test, len(labels), like=labels, steps=args.clf_steps)
     fid = frechet_distance(real[0], images, features)
     row = {
         "run": name, "epsilon": eps, "sigma": sigma, "K": k, "batch_size": batch_size, "steps": steps,
-        "fid_local": fid, **{f"acc_{kk}": v for kk, v in acc.items()}, "train_s": train_s, "sample_s": sample_s,
+        "fid_local": fid, **{f"acc_{kk}": v for kk, v in acc.items()},
+        **{f"ceiling_acc_{kk}": v for kk, v in ceiling.items()}, "train_s": train_s, "sample_s": sample_s,
         "grid": str(grid),
     }  # fmt: skip
     print(json.dumps(row), flush=True)
@@ -107,7 +116,7 @@ def main() -> None:
     parser.add_argument("--k-steps", type=int, default=50)
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--sampling-steps", type=int, default=32)
-    parser.add_argument("--clf-epochs", type=int, default=30)
+    parser.add_argument("--clf-steps", type=int, default=DEFAULT_STEPS, help="downstream classifiers' Adam steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--figures", default=str(default_figures()))
     parser.add_argument("--out", default=str(default_result("dpdm_digits.json")))
@@ -127,9 +136,11 @@ def main() -> None:
     }
     rows = [dict(vars(args))]
     for name in args.runs.split(","):
-        if name == "real":  # the reference: the real training split itself as the "synthetic" set
+        if name == "real":  # the reference: as many real training images as a run has samples, the same draw
             row = {"run": "real", "fid_local": frechet_distance(real[0], test[0], features)}
-            row |= {f"acc_{kk}": v for kk, v in downstream_accuracy(real, test, epochs=args.clf_epochs).items()}
+            like = balanced_labels(args.samples, 10)
+            ceiling = real_data_ceiling(real, test, len(like), like=like, steps=args.clf_steps)
+            row |= {f"acc_{kk}": v for kk, v in ceiling.items()}
             print(json.dumps(row), flush=True)
             rows.append(row)
         elif name.startswith("dpsgd_eps"):
