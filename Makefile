@@ -5,8 +5,12 @@ BIN := $(VENV)/bin
 # torch is installed first and pinned, so that the package's range installs nothing more;
 # override for another build, e.g. `make TORCH=torch==2.9.1 test`.
 TORCH ?= torch==2.13.0
+# The fast tier leaves out what spawns processes, kills them, or trains end to end (markers in pyproject.toml).
+FAST := not multiprocess and not crash and not e2e and not slow
+# Two pytest-xdist workers (a file's tests stay on one worker); `make test XDIST=` runs in one process.
+XDIST ?= -n 2 --dist loadfile
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast typecheck install clean
 
 $(BIN)/dplightning: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,8 +24,17 @@ install: $(BIN)/dplightning
 demo: install
 	$(BIN)/dplightning fit --config configs/quickstart.yaml
 
-test: install
-	$(BIN)/python -m pytest
+# The whole suite, after the type check (CI runs this); prints the 25 slowest tests.
+test: typecheck
+	$(BIN)/python -m pytest $(XDIST) --durations=25
+
+# A few minutes: every test but the multi-process, crash and end-to-end ones.
+test-fast: install
+	$(BIN)/python -m pytest $(XDIST) -m "$(FAST)" --durations=25
+
+# mypy on privacy/, strategies/, optim/ and protocols.py (configured in pyproject.toml).
+typecheck: install
+	$(BIN)/python -m mypy
 
 clean:
-	rm -rf $(VENV) lightning_logs .pytest_cache
+	rm -rf $(VENV) lightning_logs .pytest_cache .mypy_cache

@@ -23,6 +23,7 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
     return exit_info.value.code, out.out, out.err
 
 
+@pytest.mark.e2e
 def test_calibrate_gives_the_sigma_the_strategy_calibrates_for_the_same_run(capsys: pytest.CaptureFixture) -> None:
     trainer = make_trainer(dp(noise_multiplier=None, target_epsilon=TARGET), max_epochs=EPOCHS, max_steps=-1)
     trainer.fit(TinyModule(), loader(make_dataset(N), BATCH))

@@ -61,7 +61,7 @@ def test_optimizer_overlays_switch_only_the_optimizer(overlay: Path, capsys: pyt
     assert f"class_path: {content['model']['init_args']['optimizer']['class_path']}" in capsys.readouterr().out
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_quickstart_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     cli = build_cli(["fit", "--config", str(QUICKSTART)])
@@ -102,6 +102,7 @@ def test_strategy_by_registered_name(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert isinstance(cli.trainer.strategy, dplightning.DPStrategy) and cli.trainer.strategy.steps == 5
 
 
+@pytest.mark.e2e
 def test_validate_test_and_predict_subcommands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     fit = build_cli(["fit", "--config", str(QUICKSTART), "--trainer.max_epochs", "1", "--test_after_fit", "false",

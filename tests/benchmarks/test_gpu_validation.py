@@ -43,7 +43,7 @@ def _context(gv: ModuleType, left_s: float = 100.0, small: bool = True) -> Any:
     return ctx
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_smoke_run_measures_every_row_and_writes_the_records(tmp_path: Path) -> None:
     out = tmp_path / "results"

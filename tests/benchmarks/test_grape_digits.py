@@ -34,7 +34,7 @@ def gd(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return importlib.import_module("grape_digits")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_smoke_run_records_paired_runs_criteria_and_collapse(gd: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "grape_digits_smoke.json"

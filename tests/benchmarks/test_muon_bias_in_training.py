@@ -26,7 +26,7 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return importlib.import_module("muon_bias_in_training")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_smoke_run_records_every_matrix_and_the_replay_matches_the_optimizer(bench: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "v5.json"

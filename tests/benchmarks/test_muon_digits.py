@@ -29,7 +29,7 @@ def md(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return importlib.import_module("muon_digits")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_smoke_run_records_paired_runs_and_muon_diagnostics(md: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "muon_digits_smoke.json"

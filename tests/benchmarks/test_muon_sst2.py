@@ -136,7 +136,7 @@ def test_every_arm_builds_the_optimizer_it_names(ms: ModuleType, tmp_path: Path)
 
 @needs_data
 @needs_minilm
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_smoke_run_records_selection_on_val_and_paired_final_runs_on_test(ms: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "muon_sst2_smoke.json"

@@ -186,6 +186,7 @@ class _RecordCallbacks(pl.Callback):
         torch.save(record, f"{self.folder}/callbacks{trainer.global_rank}.pt")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_ranks_stop_together_and_the_count_noise_is_added_once(tmp_path) -> None:
     # One 2-process run for all callbacks: the budget (the point), the private count, and the statistics' collectives.

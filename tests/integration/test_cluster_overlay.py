@@ -111,7 +111,8 @@ def test_launch_scripts_run_the_quickstart_with_q_at_most_one(script: str, launc
     assert _dp_arguments(quickstart).items() <= _dp_arguments(config).items()
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.e2e
 def test_overlay_runs_on_two_cpu_processes(tmp_path: Path) -> None:
     """The recipe's CPU version (docs/multi_gpu_and_multi_node.md), one epoch: Lightning starts 2 gloo ranks."""
     args = [

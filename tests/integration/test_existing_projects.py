@@ -42,6 +42,7 @@ def test_estimated_stepping_batches_is_the_poisson_runs_planned_steps(k: int) ->
     assert trainer.strategy.get_epsilon() == pytest.approx(3.0, rel=0.02)
 
 
+@pytest.mark.e2e
 def test_estimated_stepping_batches_trains_under_python_dash_o(tmp_path) -> None:
     script = tmp_path / "run.py"
     script.write_text(

@@ -41,7 +41,8 @@ def _config(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_tiny_opt_fine_tunes_under_dp_ddp_through_the_cli(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}

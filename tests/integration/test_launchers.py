@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.e2e, pytest.mark.timeout(300)]
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
 CLI_ARGS = [

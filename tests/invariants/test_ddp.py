@@ -20,7 +20,7 @@ from dplightning.privacy.noise import GaussianNoise
 from tests.helpers import ManualModule, TinyModule, loader, make_dataset, make_trainer, mlp, params_of, run_ddp
 from tests.reference import clipped_sum, per_example_grads
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 N, BATCH, WORLD = 64, 8, 2  # per-process batch 8: q = 8 * 2 / 64 = 0.25, expected global batch B = 16
 B = BATCH * WORLD

@@ -215,7 +215,7 @@ def test_beam_search_generates_for_every_prompt() -> None:
 SST2 = Path(__file__).resolve().parents[3] / "shared" / "data" / "sst2"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not (SST2 / "train.tsv").exists(), reason="SST-2 not in ../shared/data/sst2")
 def test_pretrained_minilm_fine_tunes_on_sst2_under_dp_and_beats_chance() -> None:

@@ -274,7 +274,7 @@ def _grape(params) -> DPGrape:
     return DPGrape(params, lr=0.01, rank=RANK, refresh_every=1)
 
 
-@pytest.mark.slow  # two spawned ranks: the import cost of the other dp_ddp tests (tens of seconds on a loaded VM)
+@pytest.mark.multiprocess  # two spawned ranks: tens of seconds on a loaded VM
 @pytest.mark.timeout(240)
 def test_two_ranks_share_p_and_release_the_union_clipped_sum_plus_noise_once(tmp_path) -> None:
     sigma, c, batch = 0.9, 0.05, 6

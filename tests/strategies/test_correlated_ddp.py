@@ -23,7 +23,7 @@ from dplightning.privacy.matrix_mechanism import Workload, optimize_banded
 from tests.helpers import DumpRankState, TinyModule, loader, make_dataset, make_trainer, params_of
 from tests.strategies.test_correlated import _banded_matrix, _white
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 N, BATCH, WORLD, BANDS, STEPS = 64, 4, 2, 2, 3  # per-process batch 4: expected global batch B = 8
 B = BATCH * WORLD

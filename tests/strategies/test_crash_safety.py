@@ -57,6 +57,7 @@ def _journal(folder: str) -> list[tuple[str, int, int]]:
         return [(tag, int(g), int(s)) for tag, g, s in (line.split() for line in f if line.strip())]
 
 
+@pytest.mark.crash
 @pytest.mark.parametrize("seed", SEEDS)
 def test_sigkill_anywhere_then_resume_keeps_the_epsilon_rule_and_the_total_steps(tmp_path, seed: int) -> None:
     step, phase = _kill_point(seed)
@@ -93,6 +94,7 @@ def test_sigkill_anywhere_then_resume_keeps_the_epsilon_rule_and_the_total_steps
     assert eps <= target
 
 
+@pytest.mark.crash
 @pytest.mark.parametrize(("phase", "charged"), [("after_update", 1), ("before_update", 1), ("training_step", 0)])
 def test_the_journal_charges_a_step_released_after_the_last_checkpoint(tmp_path, phase: str, charged: int) -> None:
     journal, step = str(tmp_path / "journal"), 3

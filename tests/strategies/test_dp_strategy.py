@@ -259,6 +259,7 @@ def test_public_api_after_fit() -> None:
     assert s.noise_std == 1.0 * s.max_grad_norm
 
 
+@pytest.mark.e2e
 def test_target_epsilon_is_met_at_the_end() -> None:
     trainer = _fit(strategy=dplightning.DPStrategy(target_epsilon=2.0, max_grad_norm=1.0), max_epochs=3, max_steps=-1)
     s = trainer.strategy

@@ -142,6 +142,7 @@ def test_resuming_a_fixed_sigma_at_another_sampling_rate_warns_and_accounts_both
     assert resumed.strategy.get_epsilon() == pytest.approx(reference.get_epsilon(delta=1 / (10 * N)), rel=1e-12)
 
 
+@pytest.mark.e2e
 def test_resuming_target_epsilon_for_longer_warns_of_the_overshoot(tmp_path) -> None:
     ckpt = _first_run(tmp_path, dplightning.DPStrategy(target_epsilon=1.0))
     resumed = make_trainer(dplightning.DPStrategy(target_epsilon=1.0), max_steps=12)
