@@ -35,7 +35,8 @@ class Warmup(TinyModule):
 @pytest.mark.parametrize("k", [1, 2])
 def test_estimated_stepping_batches_is_the_poisson_runs_planned_steps(k: int) -> None:
     module = Warmup()
-    trainer = make_trainer(dp(noise_multiplier=None, target_epsilon=3.0), max_steps=-1, max_epochs=3, accumulate_grad_batches=k)
+    strategy = dp(noise_multiplier=None, target_epsilon=3.0)
+    trainer = make_trainer(strategy, max_steps=-1, max_epochs=3, accumulate_grad_batches=k)
     trainer.fit(module, loader(make_dataset(70), 16))  # N not a multiple of the batch size
     assert trainer.strategy.noise_multiplier is not None  # σ calibrated for the planned steps
     assert module.estimated == trainer.strategy.steps == trainer.global_step
