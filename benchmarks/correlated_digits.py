@@ -83,21 +83,18 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import lightning.pytorch as pl
 import torch
 from _outputs import default_figures, default_result
 from _protocol import Arm, Criterion, Experiment, run_experiment
 from _protocol import _write_json as write_json
-from torch.utils.data import DataLoader, Dataset
+from grape_digits import evaluate, memoised_calibration
 
-import dplightning.strategies.accounting as strategy_accounting
 from dplightning import DPStrategy
 from dplightning.data import DigitsDataModule
 from dplightning.models import SmallCNN
@@ -174,19 +171,6 @@ class BatchRows(pl.Callback):
         self.rows.append(len(batch[1]))
 
 
-def evaluate(module: torch.nn.Module, dataset: Dataset) -> dict[str, float]:
-    """Accuracy on ``dataset`` and the share of its most frequent predicted class (1.0: collapsed)."""
-    module.eval()
-    right, predictions = 0, Counter()
-    with torch.no_grad():
-        for x, y in DataLoader(dataset, batch_size=512):
-            predicted = module(x).argmax(-1)
-            right += int((predicted == y).sum())
-            predictions.update(predicted.tolist())
-    total = sum(predictions.values())
-    return {"accuracy": right / total, "majority_class_fraction": max(predictions.values()) / total}
-
-
 def strategy_error(strategy: DPStrategy, spec: ArmSpec, steps: int) -> dict[str, float]:
     """Expected error of the run's strategy matrix at its σ: RMSE of the prefix sums and of the momentum workload.
 
@@ -208,19 +192,6 @@ def strategy_error(strategy: DPStrategy, spec: ArmSpec, steps: int) -> dict[str,
         errors |= {f"rmse_{label}": report.rmse, f"max_rmse_{label}": report.max_rmse,
                    f"rmse_{label}_per_sigma": report.rmse / sigma}  # fmt: skip
     return {**errors, "sensitivity": report.sensitivity}
-
-
-_calibrate = functools.cache(strategy_accounting.calibrate_noise_multiplier)
-
-
-@contextlib.contextmanager
-def memoised_calibration() -> Iterator[None]:
-    """The strategy's σ calibration memoised across runs (a pure function of ε, δ, q, steps, accountant).
-
-    For the smoke run only: there the calibration is most of a short run, and every seed asks the same.
-    """
-    with mock.patch.object(strategy_accounting, "calibrate_noise_multiplier", _calibrate):
-        yield
 
 
 def run_arm(
