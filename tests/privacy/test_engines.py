@@ -7,6 +7,7 @@ summed per-example loss, then the privatizer's clipped sum (σ = 0, divided by B
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.pytorch_utils import Conv1D
 
 from dplightning.privacy.clipping import make_clip_groups
-from dplightning.privacy.grad_sample import Dense, Factored, PerExampleHooks, Summed, available_engines
+from dplightning.privacy.grad_sample import (
+    Dense,
+    Factored,
+    PerExampleGrad,
+    PerExampleHooks,
+    Summed,
+    available_engines,
+    engines,
+    make_engine,
+)
 from dplightning.privacy.mechanism import GradientPrivatizer
 from tests.reference import per_example_grads
 
@@ -262,3 +272,150 @@ def test_per_matrix_groups_every_weight_matrix_and_keeps_the_joint_sensitivity()
     assert [g.name for g in groups] == ["0.weight", "2.weight", "non-matrix"]
     assert len(groups[-1].params) == 4  # two biases and the LayerNorm affine
     assert math.isclose(math.sqrt(sum(g.max_norm**2 for g in groups)), 2.0)
+
+
+# ---------------------------------------------------------------- one rule, one classification (issue 26, item 4)
+
+
+class _OwnForward(nn.Linear):
+    """A Linear subclass with its own forward: it may compute anything, so its gradient is formed."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) * 2
+
+
+def _weight_grad(model: nn.Module, layer: nn.Module, x: Tensor, engine: str) -> PerExampleGrad:
+    hooks = PerExampleHooks(model, list(model.parameters()), engine=engine, functorch_fallback=True)
+    try:
+        model(x).square().sum().backward()
+        return hooks.pop()[layer.weight]
+    finally:
+        hooks.close()
+
+
+@pytest.mark.parametrize("elements", range(0, 300))
+def test_ghost_norm_limit_is_the_largest_t_the_rule_allows(elements: int) -> None:
+    limit = engines.ghost_norm_limit(elements)
+    assert not engines.ghost_norm_pays(limit + 1, elements)
+    assert engines.ghost_norm_pays(limit, elements) or elements == 0
+
+
+@pytest.mark.parametrize("tokens", range(1, 12))
+@pytest.mark.parametrize("shape", [(4, 8), (3, 11), (9, 9), (1, 50)])
+def test_factored_gradients_take_the_ghost_norm_by_the_engines_rule(shape: tuple[int, int], tokens: int) -> None:
+    g = _factors(False, tokens, a=shape[0], b=shape[1])
+    assert g.ghost_is_cheaper() == engines.ghost_norm_pays(tokens, math.prod(shape))
+
+
+def _layer(kind: str, a: int, b: int) -> nn.Module:
+    return {
+        "linear": lambda: nn.Linear(a, b),
+        "hf-conv1d": lambda: Conv1D(b, a),
+        "own-forward": lambda: _OwnForward(a, b),
+    }[kind]()
+
+
+@pytest.mark.parametrize("kind", ["linear", "hf-conv1d", "own-forward"])
+@pytest.mark.parametrize(("a", "b"), [(4, 8), (3, 11), (16, 2)])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 6])
+def test_each_engine_factors_a_call_exactly_where_its_rule_says(kind: str, a: int, b: int, tokens: int) -> None:
+    torch.manual_seed(0)
+    layer = _layer(kind, a, b)
+    x = torch.randn(N, tokens, a)
+    found = engines.classify(layer)
+    assert found.kind == "linear" and (found.in_width, found.out_width) == (a, b)
+    for engine in ENGINES:
+        got = _weight_grad(nn.Sequential(layer), layer, x, engine)
+        expected = found.factorisation is not None and engines.keeps_factors(engine, tokens, a * b)
+        assert isinstance(got, Factored) == expected, engine
+    assert engines.keeps_factors("auto", tokens, a * b) == engines.ghost_norm_pays(tokens, a * b)
+    assert engines.keeps_factors("book_keeping", tokens, a * b) and not engines.keeps_factors("instantiate", 1, a * b)
+
+
+def test_the_engine_table_states_the_limit_of_the_rule() -> None:
+    layer = nn.Linear(3, 11)  # 33 entries: 2·4² = 32 < 33, so T = 4 still takes the ghost norm
+    assert engines.ghost_norm_limit(33) == 4
+    assert make_engine("auto").describe(layer) == "book_keeping for T <= 4, else instantiate"
+    assert make_engine("book_keeping").describe(layer) == "book_keeping (ghost norm for T <= 4)"
+
+
+CLASSIFIED = [
+    (lambda: nn.Linear(5, 3), "linear", (5, 3), "linear", True),
+    (lambda: _OwnForward(5, 3), "linear", (5, 3), None, False),
+    (lambda: Conv1D(3, 5), "linear", (5, 3), "hf_conv1d", True),
+    (lambda: nn.Embedding(10, 4), "embedding", (0, 4), "embedding", False),
+    (lambda: nn.Conv2d(2, 4, 3), "conv", (18, 4), "conv", False),
+    (lambda: nn.Conv1d(4, 4, 3, groups=2), "conv", (0, 0), None, False),
+    (lambda: nn.LayerNorm(6), "norm", (6, 6), None, False),
+    (lambda: nn.RMSNorm(6), "norm", (6, 6), None, False),
+    (lambda: nn.EmbeddingBag(10, 4), "other", (0, 0), None, False),
+]
+
+
+@pytest.mark.parametrize(("build", "kind", "widths", "name", "matrix"), CLASSIFIED)
+def test_one_classification_of_every_layer(build, kind: str, widths: tuple[int, int], name: str | None, matrix: bool):  # type: ignore[no-untyped-def]
+    layer = build()
+    found = engines.classify(layer)
+    assert (found.kind, (found.in_width, found.out_width)) == (kind, widths)
+    assert (found.factorisation.name if found.factorisation else None) == name
+    assert engines.factors_matrix(layer) == matrix
+    assert (engines.factored_kind(layer) is not None) == (name is not None)
+
+
+class InOut(nn.Module):
+    """A matrix layer stored [in, out] under a name no built-in factorisation knows."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(a, b) / math.sqrt(a))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight
+
+
+def _in_out_factors(layer: InOut, call: Any, grad: Tensor) -> tuple[Factored, None]:
+    a = call.args[0].reshape(grad.shape[0], -1, layer.weight.shape[0])
+    d = grad.reshape(grad.shape[0], -1, grad.shape[-1])
+    return Factored(a.to(d.dtype), d, layer.weight.shape[0], layer.weight.shape), None
+
+
+IN_OUT = engines.Factorisation(
+    "in_out",
+    "linear",
+    lambda m: isinstance(m, InOut),
+    _in_out_factors,
+    lambda grad: math.prod(grad.shape[1:-1]),
+    lambda m: tuple(m.weight.shape),
+    matrix=True,
+)
+
+
+@pytest.fixture
+def in_out_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines, "_FACTORISATIONS", dict(engines._FACTORISATIONS))
+    engines.register_factorisation(IN_OUT)
+
+
+def test_a_layer_without_a_factorisation_is_refused_under_hooks() -> None:
+    model = nn.Sequential(InOut(6, 4))
+    with pytest.raises(ValueError, match="InOut"):
+        PerExampleHooks(model, list(model.parameters()), engine="book_keeping")
+
+
+def test_a_registered_factorisation_is_kept_factored_and_gives_the_true_gradients(in_out_registered: None) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(InOut(6, 4), TokenMean(), nn.Linear(4, CLASSES))
+    x, y = _x(2, 6), torch.arange(N) % CLASSES
+    assert engines.classify(model[0]) == engines.LayerKind("linear", 6, 4, IN_OUT)
+    assert engines.factors_matrix(model[0])
+    reference = per_example_grads(model, F.cross_entropy, x, y)["0.weight"]
+    hooks = PerExampleHooks(model, list(model.parameters()), engine="book_keeping")
+    try:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        got = hooks.pop()[model[0].weight]
+    finally:
+        hooks.close()
+    assert isinstance(got, Factored)
+    torch.testing.assert_close(got.instantiate(), reference, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="in_out"):
+        engines.register_factorisation(IN_OUT)

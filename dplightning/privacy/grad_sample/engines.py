@@ -16,6 +16,15 @@ weighted sums. Engines are registered by name and chosen per layer, first match 
   a×b weight and T tokens), instantiation otherwise, decided per call; a slot gradient of
   an optimizer's plan (a projection) is formed as soon as that takes less memory than
   its factors.
+
+Two rules live here and nowhere else; the memory planner (:mod:`dplightning.planning.memory`)
+and the optimizers call them:
+
+* :func:`ghost_norm_pays`, the ghost-norm rule 2T² < a·b, and :meth:`Engine.keeps_factors`, which
+  engine keeps a factorisable weight's factors for a call of T tokens;
+* :func:`classify`, what a layer is (its kind, its widths per token) and its
+  :class:`Factorisation`, if the engines factor its weight gradient. A new factorisable layer
+  type is added in one place, :func:`register_factorisation`.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 from torch import Tensor, nn
@@ -58,6 +68,31 @@ class Engine(ABC):
         """The form in which a transformed (slot) gradient is held until the clipped sum (default: as is)."""
         return grad
 
+    @classmethod
+    def keeps_factors(cls, tokens: int, elements: int) -> bool:
+        """Whether this engine keeps a factorisable weight of ``elements`` entries factored for a call of T tokens.
+
+        The one statement of each engine's choice: :meth:`BookKeeping.grads` asks it per call,
+        the memory planner asks it per layer (through :func:`keeps_factors`).
+        """
+        return False
+
+
+def ghost_norm_pays(tokens: int, elements: int) -> bool:
+    """The ghost-norm rule: two T×T Grams per example take less memory than one a×b gradient (2T² < a·b).
+
+    Args:
+        tokens: T, the rows per example of the gradient's factors.
+        elements: a·b, the entries of the weight.
+    """
+    return 2 * tokens**2 < elements
+
+
+def ghost_norm_limit(elements: int) -> int:
+    """The largest T for which :func:`ghost_norm_pays` on a weight of ``elements`` entries (0 if none does)."""
+    # 2T² < e  <=>  2T² <= e - 1  <=>  T² <= (e - 1) // 2 for integers.
+    return math.isqrt(max(elements - 1, 0) // 2)
+
 
 _ENGINES: dict[str, type[Engine]] = {}
 
@@ -80,9 +115,18 @@ def available_engines() -> list[str]:
 
 def make_engine(name: str, functorch_fallback: bool = False) -> Engine:
     """The engine registered as ``name``."""
+    return _engine_class(name)(functorch_fallback)
+
+
+def keeps_factors(engine: str, tokens: int, elements: int) -> bool:
+    """Whether the engine named ``engine`` keeps a factorisable weight's factors (:meth:`Engine.keeps_factors`)."""
+    return _engine_class(engine).keeps_factors(tokens, elements)
+
+
+def _engine_class(name: str) -> type[Engine]:
     if name not in _ENGINES:
         raise ValueError(f"Unknown clipping_engine {name!r}; choose one of {available_engines()}.")
-    return _ENGINES[name](functorch_fallback)
+    return _ENGINES[name]
 
 
 @register_engine("instantiate")
@@ -137,13 +181,171 @@ def _conv(layer: Any, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
 
 
 def is_hf_conv1d(layer: nn.Module) -> bool:
-    """Whether ``layer`` is Hugging Face's ``Conv1D`` (GPT-2's Linear with its weight stored ``[in, out]``)."""
+    """Whether ``layer`` is Hugging Face's ``Conv1D`` (GPT-2's Linear with its weight stored ``[in, out]``).
+
+    The one Conv1D check: matched by name, so ``transformers`` is never imported for it.
+    """
     cls = type(layer)
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
 
 
 def _plain(layer: nn.Module, base: type[nn.Module]) -> bool:
+    """An instance of ``base`` that keeps ``base``'s forward (a subclass with its own may compute anything)."""
     return isinstance(layer, base) and type(layer).forward is base.forward
+
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+FactorFn = Callable[[Any, LayerCall, Tensor], "tuple[Factored, Tensor | None]"]
+"""``(layer, call, output gradient) -> (the weight's factored g_i, the bias's per-example gradient or None)``."""
+
+
+def _ungrouped_conv(layer: Any) -> bool:
+    """A plain Conv1d/2d/3d with one group (a grouped one is instantiated per group)."""
+    return any(_plain(layer, conv) for conv in _CONVS) and layer.groups == 1
+
+
+def _token_rows(grad: Tensor) -> int:
+    """T of a ``[n, ..., out]`` output gradient: the positions between the batch and the features."""
+    return math.prod(grad.shape[1:-1]) if grad.dim() > 2 else 1
+
+
+def _conv_positions(grad: Tensor) -> int:
+    """T of a ``[n, out, *spatial]`` output gradient: its spatial positions."""
+    return math.prod(grad.shape[2:])
+
+
+@dataclass(frozen=True)
+class Factorisation:
+    """How the engines factor one kind of layer's weight gradient, g_i = L_iᵀ R_i.
+
+    Attributes:
+        name: Registry key (``"linear"``, ``"embedding"``, ``"hf_conv1d"``, ``"conv"``).
+        kind: The layer kind :func:`classify` reports (``"linear"`` for every matmul layer).
+        matches: Whether a layer is of this kind (registered order: the first match wins).
+        factor: The factors of one call (:data:`FactorFn`).
+        tokens: T, the rows per example of the factors, from the call's output gradient.
+        widths: ``(input features, output features)`` per token (0 for index inputs).
+        matrix: Whether g_i is a product of the per-token inputs and output gradients of a
+            matrix weight, so an optimizer's projection can act on the factors before g_i is
+            formed (DP-GRAPE selects only such layers).
+    """
+
+    name: str
+    kind: str
+    matches: Callable[[nn.Module], bool]
+    factor: FactorFn
+    tokens: Callable[[Tensor], int]
+    widths: Callable[[Any], tuple[int, int]]
+    matrix: bool = False
+
+
+_FACTORISATIONS: dict[str, Factorisation] = {}
+
+
+def register_factorisation(factorisation: Factorisation) -> Factorisation:
+    """Make the engines factor a layer type's weight gradient (and the planner count it as factored).
+
+    Every layer :attr:`Factorisation.matches` then counts as handled per layer (the model check of
+    ``grad_sample_mode="hooks"`` accepts it); ``book_keeping`` keeps its calls factored, ``auto``
+    where :func:`ghost_norm_pays` (other calls are formed by its registered sampler, else
+    ``torch.func``), and the memory planner counts it as factored.
+
+    Raises:
+        ValueError: If the name is taken.
+    """
+    if factorisation.name in _FACTORISATIONS:
+        raise ValueError(f"A factorisation named {factorisation.name!r} is registered already.")
+    _FACTORISATIONS[factorisation.name] = factorisation
+    return factorisation
+
+
+register_factorisation(
+    Factorisation(
+        "linear",
+        "linear",
+        lambda m: _plain(m, nn.Linear),
+        _linear,
+        _token_rows,
+        lambda m: (m.in_features, m.out_features),
+        matrix=True,
+    )
+)
+register_factorisation(
+    Factorisation(
+        "embedding",
+        "embedding",
+        lambda m: _plain(m, nn.Embedding),
+        _embedding,
+        _token_rows,
+        lambda m: (0, m.embedding_dim),
+    )
+)
+register_factorisation(
+    Factorisation(
+        "hf_conv1d",
+        "linear",
+        is_hf_conv1d,
+        _hf_conv1d,
+        _token_rows,
+        lambda m: (m.weight.shape[0], m.weight.shape[1]),
+        matrix=True,
+    )
+)
+register_factorisation(
+    Factorisation(
+        "conv",
+        "conv",
+        _ungrouped_conv,
+        _conv,
+        _conv_positions,
+        lambda m: (m.in_channels * math.prod(m.kernel_size), m.out_channels),
+    )
+)
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What a layer is, for the engines and the memory planner.
+
+    Attributes:
+        kind: ``"linear"`` (``nn.Linear`` and Hugging Face ``Conv1D``, with or without their own
+            forward), ``"embedding"``, ``"conv"``, ``"norm"`` or ``"other"``.
+        in_width: Input features per token (0 for index inputs and where unknown).
+        out_width: Output features per token (0 where unknown).
+        factorisation: How the engines factor its weight gradient; ``None``: formed.
+    """
+
+    kind: str
+    in_width: int
+    out_width: int
+    factorisation: Factorisation | None = None
+
+
+def classify(layer: nn.Module) -> LayerKind:
+    """The one classification of a layer: its registered factorisation if any, else its kind by type."""
+    for factorisation in _FACTORISATIONS.values():
+        if factorisation.matches(layer):
+            return LayerKind(factorisation.kind, *factorisation.widths(layer), factorisation)
+    return _unfactored(layer)
+
+
+def _unfactored(layer: Any) -> LayerKind:
+    if isinstance(layer, nn.Linear):  # a subclass with its own forward: its gradient is formed
+        return LayerKind("linear", layer.in_features, layer.out_features)
+    if isinstance(layer, nn.Embedding):
+        return LayerKind("embedding", 0, layer.embedding_dim)
+    if isinstance(layer, _CONVS):
+        return LayerKind("conv", 0, 0)
+    if isinstance(layer, (nn.LayerNorm, nn.GroupNorm)) or "norm" in type(layer).__name__.lower():
+        width = int(layer.weight.shape[-1]) if getattr(layer, "weight", None) is not None else 0
+        return LayerKind("norm", width, width)
+    return LayerKind("other", 0, 0)
+
+
+def factorisation_of(layer: nn.Module) -> Factorisation | None:
+    """How the engines factor ``layer``'s weight gradient, or ``None`` if they form it."""
+    return classify(layer).factorisation
 
 
 def factors_matrix(layer: nn.Module) -> bool:
@@ -152,30 +354,20 @@ def factors_matrix(layer: nn.Module) -> bool:
     A Linear subclass with its own ``forward`` is not factored: its per-example gradients are
     instantiated, so nothing can be projected before they are formed.
     """
-    return _plain(layer, nn.Linear) or is_hf_conv1d(layer)
+    found = factorisation_of(layer)
+    return found is not None and found.matrix
 
 
-def factored_kind(layer: nn.Module) -> Callable[[nn.Module, LayerCall, Tensor], tuple[Factored, Tensor | None]] | None:
-    """The factorisation of ``layer``'s weight gradient, or ``None`` if it has none here."""
-    if _plain(layer, nn.Linear):
-        return _linear
-    if _plain(layer, nn.Embedding):
-        return _embedding
-    if is_hf_conv1d(layer):
-        return _hf_conv1d
-    if any(_plain(layer, conv) for conv in _CONVS) and layer.groups == 1:  # grouped: instantiated per group
-        return _conv
-    return None
-
-
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+def factored_kind(layer: nn.Module) -> FactorFn | None:
+    """The factorisation function of ``layer``'s weight gradient, or ``None`` if it has none here."""
+    found = factorisation_of(layer)
+    return None if found is None else found.factor
 
 
 def weight_tokens(layer: nn.Module, call: LayerCall, grad: Tensor) -> int:
     """T, the rows per example of ``layer``'s factored weight gradient in this call."""
-    if isinstance(layer, _CONVS):
-        return math.prod(grad.shape[2:])
-    return math.prod(grad.shape[1:-1]) if grad.dim() > 2 else 1
+    found = factorisation_of(layer)
+    return _token_rows(grad) if found is None else found.tokens(grad)
 
 
 @register_engine("book_keeping")
@@ -187,10 +379,10 @@ class BookKeeping(Engine):
         self._fallback = Instantiate(functorch_fallback)
 
     def grads(self, layer: nn.Module, call: LayerCall, output_grads: OutputGrads) -> dict[nn.Parameter, PerExampleGrad]:
-        kind, grad = factored_kind(layer), output_grads[0]
-        if kind is None or grad is None or not self.factor(layer, call, grad):
+        found, grad = factorisation_of(layer), output_grads[0]
+        if found is None or grad is None or not self.factor(layer, call, grad):
             return self._fallback.grads(layer, call, output_grads)
-        weight, bias_grad = kind(layer, call, grad)
+        weight, bias_grad = found.factor(layer, call, grad)
         out: dict[nn.Parameter, PerExampleGrad] = {}
         if _weight(layer).requires_grad:
             out[_weight(layer)] = weight
@@ -200,22 +392,28 @@ class BookKeeping(Engine):
         return out
 
     def factor(self, layer: nn.Module, call: LayerCall, grad: Tensor) -> bool:
-        """Whether to keep this call factored (always, for book-keeping)."""
+        """Whether to keep this call factored (:meth:`keeps_factors` for the call's T and the layer's weight)."""
+        return self.keeps_factors(weight_tokens(layer, call, grad), math.prod(_weight(layer).shape))
+
+    @classmethod
+    def keeps_factors(cls, tokens: int, elements: int) -> bool:
+        """Always, for book-keeping."""
         return True
 
     def describe(self, layer: nn.Module) -> str:
-        if factored_kind(layer) is None:
+        if factorisation_of(layer) is None:
             return self._fallback.describe(layer)
-        limit = math.isqrt(max(math.prod(_weight(layer).shape) // 2 - 1, 0))
-        return f"book_keeping (ghost norm for T <= {limit})"
+        return f"book_keeping (ghost norm for T <= {ghost_norm_limit(math.prod(_weight(layer).shape))})"
 
 
 @register_engine("auto")
 class Auto(BookKeeping):
     """Book-keeping for calls where the ghost norm pays (2T² < a·b), instantiation for the others."""
 
-    def factor(self, layer: nn.Module, call: LayerCall, grad: Tensor) -> bool:
-        return 2 * weight_tokens(layer, call, grad) ** 2 < math.prod(_weight(layer).shape)
+    @classmethod
+    def keeps_factors(cls, tokens: int, elements: int) -> bool:
+        """Where the ghost norm pays (:func:`ghost_norm_pays`)."""
+        return ghost_norm_pays(tokens, elements)
 
     def settle(self, grad: PerExampleGrad) -> PerExampleGrad:
         """Form a projected slot's g_i when that is smaller than its factors (DP-GRAPE: n·m·r vs n·T·(m + r)).
@@ -233,7 +431,6 @@ class Auto(BookKeeping):
         return Dense(grad.instantiate()) if formed < held else grad
 
     def describe(self, layer: nn.Module) -> str:
-        if factored_kind(layer) is None:
+        if factorisation_of(layer) is None:
             return self._fallback.describe(layer)
-        limit = math.isqrt(max(math.prod(_weight(layer).shape) // 2 - 1, 0))
-        return f"book_keeping for T <= {limit}, else instantiate"
+        return f"book_keeping for T <= {ghost_norm_limit(math.prod(_weight(layer).shape))}, else instantiate"
