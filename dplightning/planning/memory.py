@@ -36,7 +36,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -164,11 +164,28 @@ class Settings:
     """Secret fp32 buffers of the noised size a correlated noise mechanism keeps (b - 1 banded, m BLT)."""
 
 
+def dp_defaults() -> dict[str, Any]:
+    """The DP strategies' defaults, read from :class:`~dplightning.strategies.config.DPConfig` (never retyped here)."""
+    from dplightning.strategies import config
+
+    return {f.name: f.default for f in fields(config.DPConfig) if f.default is not MISSING}
+
+
 def settings_of(config: Mapping[str, Any]) -> Settings:
-    """The planning inputs of a merged fit config (defaults as the classes define them)."""
+    """The planning inputs of a merged fit config (defaults as the classes define them).
+
+    Raises:
+        ValueError: For a ``clipping_engine`` that no engine is registered as.
+    """
+    from dplightning.privacy.grad_sample.engines import available_engines
+
     trainer = dict(config.get("trainer", {}) or {})
     model = config.get("model", {}) or {}
-    strategy = _init_args(trainer.get("strategy"))
+    strategy = {**dp_defaults(), **_init_args(trainer.get("strategy"))}
+    if strategy["clipping_engine"] not in available_engines():
+        raise ValueError(
+            f"Unknown clipping_engine {strategy['clipping_engine']!r}; choose one of {available_engines()}."
+        )
     data = _init_args(config.get("data"))
     optimizer = _init_args(model).get("optimizer")
     opt_class = optimizer.get("class_path", "torch.optim.AdamW") if isinstance(optimizer, Mapping) else "AdamW"
@@ -183,11 +200,11 @@ def settings_of(config: Mapping[str, Any]) -> Settings:
         batch_size=int(data.get("batch_size", 32)),
         max_length=int(data.get("max_length", 128)),
         accumulate=int(trainer.get("accumulate_grad_batches", 1) or 1),
-        poisson=bool(strategy.get("poisson_sampling", True)),
-        clipping=str(strategy.get("clipping", "flat")),
-        engine=str(strategy.get("clipping_engine", "auto")),
-        verify=str(strategy.get("verify_gradients", "first_steps")),
-        bucket_cap_mb=float(strategy.get("bucket_cap_mb", 25.0)),
+        poisson=bool(strategy["poisson_sampling"]),
+        clipping=str(strategy["clipping"]),
+        engine=str(strategy["clipping_engine"]),
+        verify=str(strategy["verify_gradients"]),
+        bucket_cap_mb=float(strategy["bucket_cap_mb"]),
         optimizer=opt_class,
         optimizer_args=_init_args(optimizer) if isinstance(optimizer, Mapping) else {},
         gpu=accelerator not in ("cpu",),
@@ -198,7 +215,7 @@ def settings_of(config: Mapping[str, Any]) -> Settings:
 
 def _noise_buffers(strategy: Mapping[str, Any]) -> int:
     """Buffers of the correlated noise state: b - 1 for ``band_mf``, ``blt_buffers`` for ``blt``, else 0."""
-    mechanism = strategy.get("noise_mechanism", "gaussian")
+    mechanism = strategy["noise_mechanism"]
     if mechanism == "band_mf":
         return max(int(strategy.get("bands") or 1) - 1, 0)
     if mechanism == "blt":
@@ -312,35 +329,32 @@ class Layer:
     fp32_input: bool = False
 
     def factored(self, engine: str, tokens: int) -> bool:
-        """Whether the engine keeps A and Δ for this call instead of forming g_i (``engines.py``)."""
-        if not self.factorable or self.weight == 0 or engine == "instantiate":
-            return False
-        return engine == "book_keeping" or 2 * tokens**2 < self.weight
+        """Whether the engine keeps A and Δ for this call instead of forming g_i (``Engine.keeps_factors``)."""
+        from dplightning.privacy.grad_sample.engines import keeps_factors
+
+        return self.factorable and self.weight > 0 and keeps_factors(engine, tokens, self.weight)
 
 
 _FP32_INPUT = re.compile(r"(q_proj|k_proj|v_proj|c_attn|query|key|value|fc1|c_fc|gate_proj|up_proj|lm_head|score)$")
 
 
+_PLANNED_KINDS = ("linear", "embedding", "norm")
+"""The kinds whose widths the plan uses: it models transformers, where a conv's positions are not the T it plans."""
+
+
 def _widths(module: Any) -> tuple[str, int, int]:
-    from torch import nn
+    """The layer's kind and widths per token, from the engines' classification (``engines.classify``)."""
+    from dplightning.privacy.grad_sample.engines import classify
 
-    from dplightning.privacy.grad_sample.engines import is_hf_conv1d
-
-    if isinstance(module, nn.Linear):
-        return "linear", module.in_features, module.out_features
-    if is_hf_conv1d(module):
-        return "linear", module.weight.shape[0], module.weight.shape[1]
-    if isinstance(module, nn.Embedding):
-        return "embedding", 0, module.embedding_dim
-    if isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "norm" in type(module).__name__.lower():
-        width = int(module.weight.shape[-1]) if getattr(module, "weight", None) is not None else 0
-        return "norm", width, width
-    return "other", 0, 0
+    found = classify(module)
+    if found.kind not in _PLANNED_KINDS:
+        return "other", 0, 0
+    return found.kind, found.in_width, found.out_width
 
 
 def hooked_layers(model: Any) -> list[Layer]:
     """Every module owning trainable parameters (what :class:`PerExampleHooks` hooks)."""
-    from dplightning.privacy.grad_sample.engines import factored_kind
+    from dplightning.privacy.grad_sample.engines import factorisation_of
 
     users: dict[int, int] = {}
     found = []
@@ -365,7 +379,7 @@ def hooked_layers(model: Any) -> list[Layer]:
                 out_width=b,
                 weight=0 if weight is None else weight.numel(),
                 other=sum(p.numel() for p in own if p is not weight),
-                factorable=factored_kind(module) is not None,
+                factorable=factorisation_of(module) is not None,
                 calls=1 if weight is None else users[id(weight)],
                 fp32_input=bool(_FP32_INPUT.search(clean)) and not name.endswith(("lora_B.default", "lora_B")),
             )
@@ -625,6 +639,8 @@ def clipping_transient(
     projected: Mapping[str, Projected] | None = None,
 ) -> int:
     """The largest fp32 temporaries of one slot's norm and clipped sum (``grads.py``), in bytes."""
+    from dplightning.privacy.grad_sample.engines import ghost_norm_pays
+
     worst = 0
     projected = projected or {}
     for layer in layers:
@@ -638,7 +654,7 @@ def clipping_transient(
             a, b = max(layer.in_width, 1), layer.out_width
             copies = 4 * rows * tokens * (a + 2 * b) if lowp else 0
             ghost = copies + 3 * 4 * rows * tokens**2 * layer.calls**2
-            if 2 * tokens**2 >= layer.weight:
+            if not ghost_norm_pays(tokens, layer.weight):  # the norm is taken on the formed g_i (``grads.py``)
                 ghost = 4 * rows * layer.weight + copies
             weighted = 4 * rows * tokens * (min(a, b) + (max(a, b) if lowp else 0)) + out_sum
             worst = max(worst, ghost, weighted)

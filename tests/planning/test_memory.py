@@ -184,3 +184,94 @@ def test_dp_grape_plans_its_slots_for_states_and_buckets() -> None:
     adam = plan(fit_config())
     assert component(grape, "formed per-example gradients") < component(adam, "formed per-example gradients")
     assert grape.peak < adam.peak
+
+
+# ---------------------------------------------------------------- the engines' rules and DP defaults, read not retyped
+
+
+def _engine_decisions(model: Any, x: Any, engine: str) -> dict[str, bool]:
+    """Per hooked weight, whether the engine really kept this call factored."""
+    from dplightning.privacy.grad_sample import Factored, PerExampleHooks
+
+    hooks = PerExampleHooks(model, list(model.parameters()), engine=engine, functorch_fallback=True)
+    try:
+        model(x).float().square().sum().backward()
+        grads = hooks.pop()
+    finally:
+        hooks.close()
+    return {name: isinstance(grads[m.weight], Factored) for name, m in model.named_children()}
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("engine", ["auto", "book_keeping", "instantiate"])
+def test_the_plan_and_the_engines_agree_on_every_layer_and_call(engine: str, tokens: int) -> None:
+    import torch
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    from dplightning.planning.memory import hooked_layers
+    from tests.privacy.test_engines import _OwnForward
+
+    torch.manual_seed(0)
+    widths = [(4, 8), (8, 3), (3, 11), (11, 16)]  # a·b = 32, 24, 33, 176: the rule's boundary for T in 3..9
+    layers = [nn.Linear(4, 8), Conv1D(3, 8), _OwnForward(3, 11), nn.Linear(11, 16)]
+    model = nn.Sequential(*layers)
+    planned = {x.name: x.factored(engine, tokens) for x in hooked_layers(model)}
+    assert planned == _engine_decisions(model, torch.randn(5, tokens, 4), engine)
+    assert [x.in_width for x in hooked_layers(model)] == [a for a, _ in widths]
+    ids = nn.Sequential(nn.Embedding(4, 5), nn.Linear(5, 2))  # 20 and 10 entries
+    planned = {x.name: x.factored(engine, tokens) for x in hooked_layers(ids)}
+    assert planned == _engine_decisions(ids, torch.randint(0, 4, (5, tokens)), engine)
+
+
+def test_a_registered_factorisation_is_planned_as_factored(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch import nn
+
+    from dplightning.planning.memory import hooked_layers
+    from dplightning.privacy.grad_sample import engines
+    from tests.privacy.test_engines import IN_OUT, InOut
+
+    model = nn.Sequential(InOut(6, 4))
+    before = hooked_layers(model)[0]
+    assert (before.kind, before.factorable) == ("other", False)
+    monkeypatch.setattr(engines, "_FACTORISATIONS", dict(engines._FACTORISATIONS))
+    engines.register_factorisation(IN_OUT)
+    after = hooked_layers(model)[0]
+    assert (after.kind, after.in_width, after.out_width, after.factorable) == ("linear", 6, 4, True)
+
+
+def test_the_dp_defaults_are_dp_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import dataclass
+
+    from dplightning.planning.memory import settings_of
+    from dplightning.strategies import config
+
+    @dataclass(frozen=True)
+    class Changed(config.DPConfig):  # every default the planner reads, changed
+        clipping: str = "per_layer"
+        clipping_engine: str = "book_keeping"
+        poisson_sampling: bool = False
+        verify_gradients: str = "never"  # type: ignore[assignment]
+        bucket_cap_mb: float = 7.0
+        noise_mechanism: str = "band_mf"  # type: ignore[assignment]
+        bands: int | None = 3
+
+    monkeypatch.setattr(config, "DPConfig", Changed)
+    s = settings_of({})
+    assert (s.clipping, s.engine, s.poisson, s.verify, s.bucket_cap_mb) == (
+        "per_layer",
+        "book_keeping",
+        False,
+        "never",
+        7,
+    )
+    assert s.noise_buffers == 2  # bands - 1
+    given = settings_of({"trainer": {"strategy": {"init_args": {"clipping": "flat", "bands": 5}}}})
+    assert (given.clipping, given.noise_buffers) == ("flat", 4)
+
+
+def test_an_unknown_engine_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = fit_config()
+    config["trainer"]["strategy"]["init_args"]["clipping_engine"] = "ghost"
+    assert main(["--config", write(tmp_path, "typo.yaml", config)]) == 2
+    assert "Unknown clipping_engine 'ghost'" in capsys.readouterr().err
