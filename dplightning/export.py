@@ -13,7 +13,8 @@ test seed was used. The checkpoint is loaded with ``torch.load(weights_only=True
 never runs code from the file: one that pickles other objects than tensors, plain containers
 and the few dplightning records of :data:`SAFE_GLOBALS` is refused (``--trust-checkpoint``
 loads your own such files). Exit status: 0, 2 without a privacy ledger, 3 if the ledger
-contradicts the checkpoint, 4 if the file would run code when loaded.
+contradicts the checkpoint or the record lacks a field it needs, 4 if the file would run code
+when loaded.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from dplightning.data.provenance import describe_privacy_unit
 from dplightning.modules._hf_module import CLASS_KEY, CONFIG_KEY, HFModule
 from dplightning.modules.hf import LoraSettings
 from dplightning.privacy.accounting import compute_epsilon
-from dplightning.strategies._dp import CHECKPOINT_KEY
-from dplightning.strategies.accounting import SEEDED_RISK, InconsistentLedger, check_ledger
+from dplightning.privacy.record import IncompletePrivacyRecord, NoPrivacyRecord, PrivacyRecord
+from dplightning.strategies.accounting import SEEDED_RISK, InconsistentLedger, check_ledger, mechanism_of
 from dplightning.strategies.correlated import NoiseMechanism
 
 SAFE_GLOBALS: list[type] = [LoraSettings]
@@ -84,49 +85,53 @@ def privacy_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """The (ε, δ) guarantee, mechanism and provenance of a checkpoint, from its privacy ledger.
 
     Raises:
-        ValueError: If the checkpoint has no privacy ledger (it was not trained with DP).
+        NoPrivacyRecord: If the checkpoint has no privacy ledger (it was not trained with DP).
+        IncompletePrivacyRecord: If its privacy record lacks a field the guarantee depends on.
         InconsistentLedger: If the ledger contradicts the checkpoint's record (its σ, q or
             global_step): ε computed from it would not describe the run.
     """
-    state = checkpoint.get(CHECKPOINT_KEY)
-    if not state:
-        raise ValueError(
-            "The checkpoint has no privacy ledger: it was not trained by a dplightning DP strategy, so there is no "
-            "guarantee to export. Train with strategy dp / dp_ddp."
-        )
-    check_ledger(state, checkpoint.get("global_step"))
-    ledger, delta = state["ledger"], float(state["delta"])
-    steps = sum(int(t) for _, _, t in ledger["history"])
-    poisson = state.get("poisson_sampling", True)
-    epsilon = compute_epsilon(ledger["history"], delta, ledger["accountant"]) if poisson and steps else math.inf
-    unit = unit_record(state)
-    mechanism = NoiseMechanism.from_record(state.get("noise_mechanism"))
+    record = _record_of(checkpoint)
+    check_ledger(record, checkpoint.get("global_step"))
+    if record.delta is None:
+        raise IncompletePrivacyRecord("The checkpoint's privacy record has no δ (written before N was known).")
+    delta, steps = float(record.delta), record.steps
+    poisson = record.poisson_sampling
+    accountant = record.ledger_accountant
+    epsilon = compute_epsilon(record.history, delta, accountant) if poisson and steps else math.inf
+    unit = record.unit
     return {
         "epsilon": epsilon,
-        "noise_mechanism": mechanism.describe(),
+        "noise_mechanism": mechanism_of(record).describe(),
         "delta": delta,
-        "accountant": ledger["accountant"],
+        "accountant": accountant,
         "steps": steps,
-        "noise_multiplier": state.get("noise_multiplier"),
-        "sample_rate": state.get("sample_rate"),
-        "num_samples": state.get("num_samples"),
-        "max_grad_norm": state.get("max_grad_norm"),
-        "clipping": state.get("clipping"),
+        "noise_multiplier": record.noise_multiplier,
+        "sample_rate": record.sample_rate,
+        "num_samples": record.num_samples,
+        "max_grad_norm": record.max_grad_norm,
+        "clipping": record.clipping,
         "poisson_sampling": poisson,
         "privacy_unit": describe_privacy_unit(unit),
         "privacy_unit_record": unit,
-        "not_covered": dict(state.get("not_covered") or {}),
-        "seeded": state.get("seeded"),
-        "secure_mode": state.get("secure_mode"),
+        "not_covered": dict(record.not_covered),
+        "seeded": record.seeded,
+        "secure_mode": record.secure_mode,
     }
 
 
+def _record_of(checkpoint: dict[str, Any]) -> PrivacyRecord:
+    try:
+        return PrivacyRecord.from_checkpoint(checkpoint)
+    except NoPrivacyRecord as err:
+        raise NoPrivacyRecord(
+            "The checkpoint has no privacy ledger: it was not trained by a dplightning DP strategy, so there is no "
+            "guarantee to export. Train with strategy dp / dp_ddp."
+        ) from err
+
+
 def unit_record(state: dict[str, Any]) -> dict[str, Any]:
-    """The privacy-unit record of a checkpoint's DP state (older checkpoints recorded ``rows_per_unit`` only)."""
-    recorded = state.get("privacy_unit")
-    if isinstance(recorded, dict):
-        return dict(recorded)
-    return {"description": None, "window": None, "stride": None, "rows_per_unit": int(state.get("rows_per_unit") or 1)}
+    """The privacy-unit record of a checkpoint's stored privacy record (see :attr:`PrivacyRecord.unit`)."""
+    return PrivacyRecord.from_dict(state).unit
 
 
 def load_module(checkpoint: dict[str, Any]) -> HFModule:
@@ -234,10 +239,10 @@ TRUST_HELP = (
 
 
 def exit_status(err: ValueError) -> int:
-    """Exit status of a refused checkpoint: 4 unsafe to load, 3 a contradicting ledger, 2 otherwise (no ledger)."""
+    """Exit status of a refused checkpoint: 4 unsafe to load, 3 a contradicting or incomplete record, 2 no ledger."""
     if isinstance(err, UnsafeCheckpoint):
         return 4
-    return 3 if isinstance(err, InconsistentLedger) else 2
+    return 3 if isinstance(err, (InconsistentLedger, IncompletePrivacyRecord)) else 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,9 @@ ledger is first checked against the checkpoint (at least ``global_step`` steps; 
 segment at the recorded σ and q); ε is then recomputed from its (σ, q, steps) history with
 the installed Opacus accountant and compared with the ε stored when the checkpoint was
 written. The exit status is 0 if they match, 1 if they do not, 2 if the file has no privacy
-ledger, 3 if the ledger contradicts the checkpoint, 4 if loading the file would run code from
-it (it is loaded with ``weights_only=True``: :func:`dplightning.export.load_checkpoint`).
+ledger, 3 if the ledger contradicts the checkpoint or the record lacks a field it needs, 4 if
+loading the file would run code from it (it is loaded with ``weights_only=True``:
+:func:`dplightning.export.load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dplightning.export import TRUST_HELP, exit_status, load_checkpoint, privacy_of
-from dplightning.strategies._dp import CHECKPOINT_KEY
+from dplightning.privacy.record import PrivacyRecord
 from dplightning.strategies.accounting import SEEDED_RISK, library_versions
 from dplightning.strategies.correlated import NoiseMechanism
 
@@ -38,12 +39,13 @@ def privacy_report(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """The privacy claim of a loaded checkpoint, with ε recomputed and checked against the stored one.
 
     Raises:
-        ValueError: If the checkpoint has no privacy ledger.
+        NoPrivacyRecord: If the checkpoint has no privacy ledger.
+        IncompletePrivacyRecord: If its privacy record lacks a field the guarantee depends on.
         InconsistentLedger: If the ledger contradicts the checkpoint's σ, q or global_step.
     """
-    claim = privacy_of(checkpoint)  # recomputes ε from the ledger
-    state = checkpoint[CHECKPOINT_KEY]
-    stored = state.get("epsilon")
+    claim = privacy_of(checkpoint)  # recomputes ε from the ledger, after reading and checking the record
+    record = PrivacyRecord.from_checkpoint(checkpoint)
+    stored = record.epsilon
     recomputed = claim["epsilon"]
     if stored is None:
         match: bool | None = None  # written before ε was stored: nothing to compare
@@ -51,19 +53,19 @@ def privacy_report(checkpoint: dict[str, Any]) -> dict[str, Any]:
         match = stored == recomputed
     else:
         match = math.isclose(stored, recomputed, rel_tol=MATCH_RTOL, abs_tol=1e-12)
-    recorded = state.get("versions") or {}
+    recorded = dict(record.versions)
     now = library_versions()
     return {
         **claim,
         "epsilon_stored": stored,
         "epsilon_matches": match,
-        "history": [list(segment) for segment in state["ledger"]["history"]],
-        "target_epsilon": state.get("target_epsilon"),
-        "step_releases": state.get("step_releases") or {},
-        "clipping_engine": state.get("clipping_engine"),
-        "layer_engines": state.get("layer_engines") or {},
-        "world_size": state.get("world_size"),
-        "nonfinite_examples": state.get("nonfinite_examples"),
+        "history": [list(segment) for segment in record.history],
+        "target_epsilon": record.target_epsilon,
+        "step_releases": dict(record.step_releases),
+        "clipping_engine": record.clipping_engine,
+        "layer_engines": dict(record.layer_engines),
+        "world_size": record.world_size,
+        "nonfinite_examples": record.nonfinite_examples,
         "global_step": checkpoint.get("global_step"),
         "versions": recorded,
         "versions_now": {k: v for k, v in now.items() if recorded.get(k) != v} if recorded else now,

@@ -24,6 +24,7 @@ import secrets
 import uuid
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
@@ -51,10 +52,11 @@ from dplightning.privacy.grad_sample.validation import refuse_batch_mean_loss
 from dplightning.privacy.matrix_mechanism import Strategy as NoiseStrategy
 from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise, derive_seed
+from dplightning.privacy.record import CHECKPOINT_KEY, PrivacyRecord
 from dplightning.protocols import CountsExamples, ShowsEpsilon
 from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount, _OptimizerMetrics
 from dplightning.strategies._trainer import trainer_callbacks
-from dplightning.strategies.accounting import PrivacyAccounting, library_versions
+from dplightning.strategies.accounting import PrivacyAccounting, mechanism_of
 from dplightning.strategies.checkpoint import atomic_save, is_local_path
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.correlated import build_strategy, describe_workload, strategy_sensitivity, workload_of
@@ -63,8 +65,6 @@ from dplightning.strategies.engine_report import report_engines
 from dplightning.strategies.journal import PrivacyJournal
 from dplightning.strategies.private_logging import watch_private_logs
 from dplightning.strategies.private_step import VERIFIED_STEPS, PrivateStep
-
-CHECKPOINT_KEY = "dplightning"
 
 
 class _DPHooks(Strategy):
@@ -79,7 +79,7 @@ class _DPHooks(Strategy):
         self.accounting = PrivacyAccounting(config)
         self.private_step: PrivateStep | None = None
         self._trainer: pl.Trainer | None = None
-        self._resume_state: dict[str, Any] | None = None
+        self._resume_record: PrivacyRecord | None = None
         self._batches_since_release = 0
         self._closure_calls = 0
         self._extra_handles: list[Any] = []
@@ -268,31 +268,33 @@ class _DPHooks(Strategy):
         """Cheap upper bound on ε for progress bars (see :meth:`PrivacyLedger.epsilon_bound`)."""
         return self.accounting.epsilon_bound(delta)
 
-    def dp_state_dict(self) -> dict[str, Any]:
-        """Public privacy state for checkpoints (never any seed or generator state).
+    def privacy_record(self) -> PrivacyRecord:
+        """The run's privacy record, as every checkpoint stores it (never any seed or generator state).
 
-        Besides the accounting state it records what ``dplightning privacy-report`` shows: the
-        exact ε at the run's δ when the checkpoint was written, the engine of every layer, the
-        privacy unit (as the data declares it, :mod:`dplightning.data.provenance`), what the data
-        computed outside the DP steps, the world size, whether a test seed was used and the
-        library versions.
+        Besides the accounting's part (:meth:`PrivacyAccounting.record`: the ledger, σ, q, δ, the
+        exact ε at the run's δ now, the library versions) it holds what ``dplightning
+        privacy-report`` shows of the run: the engine of every layer, the privacy unit (as the
+        data declares it, :mod:`dplightning.data.provenance`), what the data computed outside
+        the DP steps and the world size.
         """
-        state = self.accounting.state_dict()
-        delta = self.accounting.delta
-        state["epsilon"] = self.accounting.get_epsilon() if delta is not None else None
-        state["accountant"] = self.dp_config.accountant
-        state["secure_mode"] = self.dp_config.secure_mode
-        state["seeded"] = self.dp_config.seed is not None  # never the seed itself
-        state["world_size"] = self.world_size
-        state["rows_per_unit"] = self._rows_per_unit
-        state.update(data_provenance(self._trainer, self._rows_per_unit))  # the data's privacy unit, not covered
-        state["layer_engines"] = dict(self._engines)
-        state["nonfinite_examples"] = self.nonfinite_examples
-        state["versions"] = library_versions()
-        state["run_id"] = self._run_id
+        record = self.accounting.record()
+        mechanism = dict(record.noise_mechanism or {})
         if self._noise_sensitivity is not None:  # public: C depends on the planned steps and the optimizer only
-            state["noise_mechanism"]["sensitivity"] = self._noise_sensitivity
-        return state
+            mechanism["sensitivity"] = self._noise_sensitivity
+        return replace(
+            record,
+            noise_mechanism=mechanism,
+            world_size=self.world_size,
+            rows_per_unit=self._rows_per_unit,
+            **data_provenance(self._trainer, self._rows_per_unit),  # the data's privacy unit, not covered
+            layer_engines=dict(self._engines),
+            nonfinite_examples=self.nonfinite_examples,
+            run_id=self._run_id,
+        )
+
+    def dp_state_dict(self) -> dict[str, Any]:
+        """:meth:`privacy_record` as the checkpoint stores it (plain values)."""
+        return self.privacy_record().to_dict()
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -347,7 +349,7 @@ class _DPHooks(Strategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        checkpoint[CHECKPOINT_KEY] = self.dp_state_dict()
+        self.privacy_record().store_in(checkpoint)
         if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local_path(filepath):
             # Lightning's own local write is not atomic across filesystems (see strategies/checkpoint.py).
             if self.is_global_zero:
@@ -358,7 +360,7 @@ class _DPHooks(Strategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._resume_state = checkpoint.get(CHECKPOINT_KEY)
+        self._resume_record = PrivacyRecord.find(checkpoint)
         return checkpoint
 
     @override
@@ -449,7 +451,7 @@ class _DPHooks(Strategy):
     def _check_correlated_fit(self, trainer: pl.Trainer) -> None:
         """Refuse what a correlated-noise run's accounting does not cover, before any step."""
         name = self.dp_config.noise_mechanism
-        if trainer.ckpt_path is not None or self._resume_state is not None:
+        if trainer.ckpt_path is not None or self._resume_record is not None:
             raise ValueError(
                 f"Resuming is not supported with noise_mechanism={name!r}: the noise of every step depends on secret "
                 "buffers carried from the previous steps, which are never written into a checkpoint (whoever holds "
@@ -490,24 +492,25 @@ class _DPHooks(Strategy):
         )
 
     def _restore_dp_state(self, trainer: pl.Trainer) -> None:
-        state, self._resume_state = self._resume_state, None
-        recorded = (state or {}).get("noise_mechanism") or {}
-        if recorded.get("name", "gaussian") != "gaussian":
+        record, self._resume_record = self._resume_record, None
+        if record is None:
+            if trainer.ckpt_path is not None:
+                raise ValueError(
+                    f"The checkpoint {trainer.ckpt_path} has no privacy ledger ('{CHECKPOINT_KEY}' entry): it was not "
+                    "written by a DP strategy, so ε cannot continue. To fine-tune from its weights, load them with "
+                    "`model.load_state_dict(torch.load(path)['state_dict'])` and start a new run."
+                )
+            return
+        mechanism = mechanism_of(record)
+        if mechanism.correlated:
             raise ValueError(
-                f"The checkpoint {trainer.ckpt_path} was trained with noise_mechanism={recorded['name']!r}, which "
+                f"The checkpoint {trainer.ckpt_path} was trained with noise_mechanism={mechanism.name!r}, which "
                 "cannot be resumed: its secret noise state is not in the checkpoint. Fine-tune from its weights in a "
                 "new run instead (load them with model.load_state_dict(torch.load(path)['state_dict']))."
             )
-        if state is not None:
-            self.accounting.load_state_dict(state)
-            self._run_id = state.get("run_id") or self._run_id
-            self._charge_journaled_steps()
-        elif trainer.ckpt_path is not None:
-            raise ValueError(
-                f"The checkpoint {trainer.ckpt_path} has no privacy ledger ('{CHECKPOINT_KEY}' entry): it was not "
-                "written by a DP strategy, so ε cannot continue. To fine-tune from its weights, load them with "
-                "`model.load_state_dict(torch.load(path)['state_dict'])` and start a new run."
-            )
+        self.accounting.restore(record)
+        self._run_id = record.run_id or self._run_id
+        self._charge_journaled_steps()
 
     def _journal(self) -> PrivacyJournal | None:
         folder = self.dp_config.privacy_journal

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import platform
+from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
@@ -23,6 +24,7 @@ from dplightning.privacy.accounting import (
     compute_epsilon,
     split_noise_multiplier,
 )
+from dplightning.privacy.record import PrivacyRecord
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.correlated import NoiseMechanism
 
@@ -304,36 +306,54 @@ class PrivacyAccounting:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict[str, Any]:
-        """Public privacy state for checkpoints (never any seed or generator state)."""
-        return {
-            "ledger": self.ledger.state_dict(),
-            "noise_multiplier": self.noise_multiplier,
-            "target_epsilon": self.config.target_epsilon,
-            "max_grad_norm": self.config.max_grad_norm,
-            "sample_rate": self.sample_rate,
-            "num_samples": self.num_samples,
-            "delta": self.delta,
-            "clipping": self.config.clipping,
-            "clipping_engine": self.config.clipping_engine,
-            "poisson_sampling": self.config.poisson_sampling,
-            "step_releases": dict(self._step_releases),
-            "noise_mechanism": {
+    def record(self) -> PrivacyRecord:
+        """The privacy record of the accounting (the strategy adds what it knows of the run).
+
+        Public values only, never any seed or generator state; ε is the exact ε at the run's δ
+        now (``None`` while δ is unknown).
+        """
+        delta = self.delta
+        return PrivacyRecord(
+            ledger=self.ledger.state_dict(),
+            noise_multiplier=self.noise_multiplier,
+            target_epsilon=self.config.target_epsilon,
+            max_grad_norm=self.config.max_grad_norm,
+            sample_rate=self.sample_rate,
+            num_samples=self.num_samples,
+            delta=delta,
+            clipping=self.config.clipping,
+            clipping_engine=self.config.clipping_engine,
+            poisson_sampling=self.config.poisson_sampling,
+            step_releases=dict(self._step_releases),
+            noise_mechanism={
                 **self.mechanism.record(),
                 "planned_steps": self.planned_steps,
                 "released_steps": self.released_steps,
             },
-        }
+            epsilon=self.get_epsilon() if delta is not None else None,
+            accountant=self.config.accountant,
+            secure_mode=self.config.secure_mode,
+            seeded=self.config.seed is not None,  # never the seed itself
+            versions=library_versions(),
+        )
+
+    def restore(self, record: PrivacyRecord) -> None:
+        """Continue the run of ``record`` (its sampling is checked against the new one in :meth:`set_sampling`)."""
+        self.ledger.load_state_dict(dict(record.ledger))
+        self._resumed_sampling = (record.sample_rate, record.num_samples)
+        if self.config.target_epsilon is not None and record.noise_multiplier is not None:
+            self.noise_multiplier = float(record.noise_multiplier)  # keep the σ the run was calibrated with
+        if self._delta is None and record.delta is not None:
+            self._delta = float(record.delta)
+        rank_zero_info(f"Resumed privacy ledger: {self.ledger.steps} steps, history {list(self.ledger.history)}.")
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`record` as the checkpoint stores it."""
+        return self.record().to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the run saved by :meth:`state_dict` (checked against the new sampling in :meth:`set_sampling`)."""
-        self.ledger.load_state_dict(state["ledger"])
-        self._resumed_sampling = (state.get("sample_rate"), state.get("num_samples"))
-        if self.config.target_epsilon is not None and state.get("noise_multiplier") is not None:
-            self.noise_multiplier = float(state["noise_multiplier"])  # keep the σ the run was calibrated with
-        if self._delta is None and state.get("delta") is not None:
-            self._delta = float(state["delta"])
-        rank_zero_info(f"Resumed privacy ledger: {self.ledger.steps} steps, history {list(self.ledger.history)}.")
+        """:meth:`restore` from the stored record ``state``."""
+        self.restore(PrivacyRecord.from_dict(state))
 
 
 class InconsistentLedger(ValueError):
@@ -357,28 +377,37 @@ def _segment_problems(history: list[Any]) -> list[str]:
     return problems
 
 
-def _sampling_problems(state: dict[str, Any], last: tuple[float, float, int], mechanism: NoiseMechanism) -> list[str]:
+def _sampling_problems(record: PrivacyRecord, last: tuple[float, float, int], mechanism: NoiseMechanism) -> list[str]:
     """The recorded σ (σ_eff with step releases) and q against the ledger's latest segment.
 
     A mechanism accounted without amplification records q = 1 in its ledger whatever it sampled at.
     """
-    sigma, releases = state.get("noise_multiplier"), (state.get("step_releases") or {}).values()
+    sigma, releases = record.noise_multiplier, record.step_releases.values()
     if sigma is None:
         return ["the record has no noise multiplier σ but the ledger charged steps"]
     recorded = combined_noise_multiplier([sigma, *releases])
     problems = []
     if not math.isclose(recorded, last[0], rel_tol=RECORD_RTOL):
-        shared = f" (σ_eff with step releases {dict(state.get('step_releases') or {})})" if releases else ""
+        shared = f" (σ_eff with step releases {dict(record.step_releases)})" if releases else ""
         problems.append(f"the record's σ = {recorded:.6g}{shared} is not the ledger's latest σ = {last[0]:.6g}")
-    q = state.get("sample_rate")
+    q = record.sample_rate
     accounted = None if q is None else mechanism.accounted_rate(q)
     if accounted is None or not math.isclose(accounted, last[1], rel_tol=RECORD_RTOL):
         problems.append(f"the record's q = {q} is not the ledger's latest q = {last[1]:.6g}")
     return problems
 
 
-def ledger_problems(state: dict[str, Any], global_step: int | None) -> list[str]:
-    """What in a checkpoint's DP record (:meth:`PrivacyAccounting.state_dict`) contradicts its ledger.
+def mechanism_of(record: PrivacyRecord) -> NoiseMechanism:
+    """The noise mechanism ``record`` states (DP-SGD for records written before correlated noise).
+
+    Raises:
+        ValueError: If the record names a mechanism this version does not know.
+    """
+    return NoiseMechanism.from_record(dict(record.noise_mechanism) if record.noise_mechanism else None)
+
+
+def ledger_problems(record: PrivacyRecord | Mapping[str, Any], global_step: int | None) -> list[str]:
+    """What in a checkpoint's privacy record contradicts its ledger.
 
     ε is computed from the ledger's (σ, q, steps) history alone, so the history must agree
     with the rest of the record: every optimizer step releases one noisy gradient that the
@@ -387,21 +416,25 @@ def ledger_problems(state: dict[str, Any], global_step: int | None) -> list[str]
     step releases) and q.
 
     Args:
-        state: The checkpoint's ``"dplightning"`` entry.
+        record: The checkpoint's record (or the dict it is stored as, :meth:`PrivacyRecord.to_dict`).
         global_step: The checkpoint's optimizer steps (``None``: not recorded).
 
     Returns:
         One sentence per disagreement; empty if the record is consistent.
+
+    Raises:
+        IncompletePrivacyRecord: If a stored record lacks a required field.
     """
-    history = list(state["ledger"]["history"])
+    record = record if isinstance(record, PrivacyRecord) else PrivacyRecord.from_dict(record)
+    history = record.history
     problems = _segment_problems(history)
-    if problems or not state.get("poisson_sampling", True):
+    if problems or not record.poisson_sampling:
         return problems  # without Poisson sampling nothing is charged (ε = ∞)
     try:
-        mechanism = NoiseMechanism.from_record(state.get("noise_mechanism"))
+        mechanism = mechanism_of(record)
     except (KeyError, TypeError, ValueError) as err:
-        return [f"the record's noise mechanism {state.get('noise_mechanism')!r} is unreadable ({err})"]
-    steps = sum(int(t) for _, _, t in history)
+        return [f"the record's noise mechanism {record.noise_mechanism!r} is unreadable ({err})"]
+    steps = record.steps
     due = mechanism.compositions(global_step) if global_step is not None else 0
     if global_step is not None and steps < due:
         per = "" if not mechanism.correlated else f" ({mechanism.describe()} charges {due} for them)"
@@ -410,17 +443,17 @@ def ledger_problems(state: dict[str, Any], global_step: int | None) -> list[str]
             "step releases a noisy gradient the ledger charges, so it must hold at least what global_step costs"
         )
     if history:
-        problems += _sampling_problems(state, history[-1], mechanism)
+        problems += _sampling_problems(record, history[-1], mechanism)
     return problems
 
 
-def check_ledger(state: dict[str, Any], global_step: int | None) -> None:
+def check_ledger(record: PrivacyRecord | Mapping[str, Any], global_step: int | None) -> None:
     """Refuse a checkpoint whose ledger contradicts its record (see :func:`ledger_problems`).
 
     Raises:
         InconsistentLedger: Naming every disagreement.
     """
-    problems = ledger_problems(state, global_step)
+    problems = ledger_problems(record, global_step)
     if problems:
         raise InconsistentLedger(
             "The privacy ledger contradicts the rest of the checkpoint, so no ε can be claimed from it (a tampered "
