@@ -6,6 +6,8 @@ An experiment compares *arms* (e.g. DP-Adam and DP-Muon), each a callable
 1. **Selection.** Every grid point of every arm runs on ``split="val"`` (rows carved from
    the *training* data, see :func:`validation_split`) for each tuning seed; each arm keeps the
    grid point with the best mean over the tuning seeds. The test split is never passed here.
+   An arm with a one-point grid (fixed before the experiment, e.g. selected by another
+   pre-registered experiment) makes no selection run, and the outputs say so.
 2. **Final runs.** The pre-registered criteria are stored in the record before the first
    final run; then every arm runs at its selected hyperparameters on ``split="test"`` for the
    same ``>= 5`` final seeds. Runs are *paired*: seed ``s`` must give every arm the same Poisson
@@ -309,7 +311,10 @@ def run_experiment(
         run_all([(arm, phase, hparams, seed)])
         return done[_key(phase, arm.name, hparams, seed)]["metrics"]
 
-    run_all([(a, SELECT, h, s) for a in experiment.arms for h in a.grid for s in experiment.tuning_seeds])
+    # An arm with one grid point has nothing to select: its point was fixed before the experiment, and no
+    # selection run is made for it (the outputs say so).
+    run_all([(a, SELECT, h, s) for a in experiment.arms if len(a.grid) > 1 for h in a.grid
+             for s in experiment.tuning_seeds])  # fmt: skip
     record["selection"] = _select(experiment, run_once)
     _start_final(experiment, record, out)
     # Seed-major, so a crash leaves complete pairs behind.
@@ -460,6 +465,10 @@ def _select(experiment: Experiment, run_once: Callable[..., dict[str, float]]) -
     selection = {}
     sign = 1.0 if experiment.higher_is_better else -1.0
     for arm in experiment.arms:
+        if len(arm.grid) == 1:
+            selection[arm.name] = {"hparams": dict(arm.grid[0]), "val_mean": None, "grid": [], "at_grid_edge": False,
+                                   "fixed": True}  # fmt: skip
+            continue
         scores = []
         for hparams in arm.grid:
             values = [run_once(arm, SELECT, hparams, seed)[experiment.metric] for seed in experiment.tuning_seeds]
@@ -578,6 +587,9 @@ def _write_markdown(path: Path, record: Mapping[str, Any]) -> None:
     lines += ["", "## Selection (validation split, never the test split; mean over tuning seeds "
               f"{identity['tuning_seeds']})", "",
               f"| arm | hyperparameters | val {metric} | selected |", "|---|---|---|---|"]  # fmt: skip
+    fixed = [f"{name} ({_hp(sel['hparams'])})" for name, sel in record["selection"].items() if sel.get("fixed")]
+    if fixed:
+        lines += ["", f"One grid point, fixed before the experiment, so no selection run: {', '.join(fixed)}."]
     for name, sel in record["selection"].items():
         for s in sel["grid"]:
             chosen = ("yes (grid edge)" if sel.get("at_grid_edge") else "yes") if s["hparams"] == sel["hparams"] else ""

@@ -343,3 +343,19 @@ def test_an_experiment_states_its_own_pairing(proto: ModuleType, tmp_path: Path)
     text = (tmp_path / "own.md").read_text()
     assert record["pairing"] == "seed s shares the model init only" and "shares the model init only" in text
     assert proto.PAIRING not in text
+
+
+def test_a_one_point_grid_makes_no_selection_run_and_says_so(proto: ModuleType, tmp_path: Path) -> None:
+    calls: list = []
+    arms = [
+        proto.Arm("A", arm_fn(0.1, 0.01, calls, "A"), GRID),
+        proto.Arm("B", arm_fn(0.0, 0.01, calls, "B"), GRID[1:2]),
+    ]
+    exp = proto.Experiment(name="fixed", arms=arms, metric="accuracy", criteria=[proto.Criterion("A", "B")])
+    record = run(proto, exp, tmp_path)
+    assert not [c for c in calls if c[0] == "B" and c[3] == "val"]
+    assert len([c for c in calls if c[0] == "A" and c[3] == "val"]) == len(GRID)
+    assert record["selection"]["B"] == {"hparams": GRID[1], "val_mean": None, "grid": [], "at_grid_edge": False,
+                                        "fixed": True}  # fmt: skip
+    assert [c[2] for c in calls if c[0] == "B"] == list(exp.final_seeds)
+    assert "no selection run: B (lr=0.01)" in (tmp_path / "fixed.md").read_text()
