@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from dplightning.optim._adam import adam_direction
 from dplightning.optim._release import closure_and_release
+from dplightning.optim.patterns import excluded
 from dplightning.privacy.grad_sample.engines import factors_matrix
 from dplightning.privacy.grad_sample.grads import Factored
 from dplightning.privacy.grad_sample.transforms import Projection, SlotTransform
@@ -34,7 +35,8 @@ from dplightning.privacy.noise import derive_seed
 from dplightning.protocols import DPPlan, DPRelease
 
 DEFAULT_EXCLUDE = ("*head*", "*classifier*")
-"""Module names (fnmatch) whose weights stay full-dimensional: task heads, as in the authors' code."""
+"""Patterns (:mod:`dplightning.optim.patterns`) of weights that stay full-dimensional: task heads, as in the authors'
+code."""
 
 Side = Literal["left", "right"]
 
@@ -131,7 +133,12 @@ class DPGrape(torch.optim.Optimizer):
         include: fnmatch patterns of parameter names to project instead of the default
             selection (weights of ``nn.Linear`` and Hugging Face ``Conv1D`` layers outside
             ``exclude``); a matching parameter must be a matrix with ``rank ≤`` both sides.
-        exclude: fnmatch patterns of module names whose weights stay full-dimensional.
+            Each must match a whole name, case-sensitively: ``include`` overrides the layer
+            check, so it names exactly what it selects.
+        exclude: Patterns of weights that stay full-dimensional, matched against the
+            parameter's name and its modules' names as :mod:`dplightning.optim.patterns`
+            defines for every optimizer: wildcards as in fnmatch, a pattern without one as a
+            substring (``"head"`` is ``"*head*"``), case ignored.
         projection_std: ``"jl"`` (default): P's entries N(0, 1/r), which keeps projected norms
             (so their share of the joint clip) and the lifted update's scale at those of the
             full-dimensional parameters; ``"authors"``: N(0, 1/r²), as the authors' code draws
@@ -224,9 +231,10 @@ class DPGrape(torch.optim.Optimizer):
         if self._owners is None:
             raise RuntimeError("DPGrape.dp_plan needs dp_bind_module(module) first (the DP strategy calls it).")
         owners = self._owners.get(p, [])
-        return bool(owners) and all(
-            _is_projectable_layer(m, p) and not any(fnmatch.fnmatchcase(n, pat) for pat in self.exclude)
-            for n, m in owners
+        return (
+            bool(owners)
+            and all(_is_projectable_layer(m, p) for _, m in owners)
+            and not excluded([name, *(n for n, _ in owners)], self.exclude)
         )
 
     def dp_plan(self, named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> DPPlan:

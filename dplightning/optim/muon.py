@@ -26,12 +26,14 @@ from dplightning.optim._release import closure_and_release
 from dplightning.optim.bias_correction import MOMENTUM_FORMS, MomentumForm, momentum_noise_variance, orthogonalize
 from dplightning.optim.newton_schulz import NORMALIZATIONS, Normalization
 from dplightning.optim.newton_schulz import ns_coefficients as resolve_coefficients
+from dplightning.optim.patterns import excluded
 from dplightning.privacy.clipping import ClipGroup
 from dplightning.privacy.grad_sample.engines import is_hf_conv1d
 from dplightning.protocols import DPPlan, DPRelease
 
 DEFAULT_EXCLUDE: tuple[str, ...] = ("embed", "wte", "wpe", "head", "classifier", "score", "shared")
-"""Name fragments of ≥2-D parameters that get AdamW, not Muon (embeddings and output heads)."""
+"""Patterns of ≥2-D parameters that get AdamW, not Muon (embeddings and output heads); without a wildcard, each
+matches the names containing it (:mod:`dplightning.optim.patterns`)."""
 
 CLIP_SPLITS = {
     "equal": "each Muon matrix its own group, the rest one group; C_b = C/√(number of groups)",
@@ -59,8 +61,8 @@ class DPMuon(torch.optim.Optimizer):
     """Muon for hidden matrices and AdamW for the rest; DP-Muon / DP-MuonBC under a DP strategy.
 
     Which parameters are Muon's: a param group's ``use_muon`` if it sets one, else every
-    ≥2-D parameter whose name contains none of ``exclude`` (names are known once the
-    strategy asks for the DP plan; without a DP strategy every ≥2-D parameter). Conv
+    ≥2-D parameter that no ``exclude`` pattern matches (names are known once the strategy
+    asks for the DP plan; without a DP strategy every ≥2-D parameter). Conv
     filters are flattened to ``[out, in·kh·kw]``; the shape scale √max(1, rows/cols) uses that
     flattened shape (the reference uses the kernel's kh/kw for 4-D weights, a quirk not copied).
     The scale is the layer's fan-out/fan-in, not the storage's: Hugging Face ``Conv1D`` weights
@@ -83,7 +85,10 @@ class DPMuon(torch.optim.Optimizer):
         adam_betas: AdamW betas.
         adam_eps: AdamW epsilon.
         adam_weight_decay: AdamW's decoupled weight decay.
-        exclude: Name fragments of ≥2-D parameters left to AdamW.
+        exclude: Patterns of ≥2-D parameters left to AdamW, matched against the parameter's
+            name and its modules' names as :mod:`dplightning.optim.patterns` defines for every
+            optimizer: a pattern without a wildcard matches the names that contain it (so a name
+            fragment such as ``"embed"`` works as it always did), case ignored; with one, fnmatch.
         clip_split: The clip plan and how C = ``max_grad_norm`` is split into per-group bounds
             (Δ = C either way); see :data:`CLIP_SPLITS`.
         matrix_update: ``"muon"``, or ``"adamw"`` for the control arm; see :data:`MATRIX_UPDATES`.
@@ -163,6 +168,7 @@ class DPMuon(torch.optim.Optimizer):
         self.guard_open: tuple[int, int] = (0, 0)
         """(matrix-steps with 0 < r̂ ≤ max_noise_ratio, matrix-steps with noise) so far: where a guarded BC acts."""
         self._stored_transposed: set[Tensor] = set()
+        self._owner_names: dict[Tensor, list[str]] = {}
         self._planned = False
         self._release: DPRelease | None = None
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -176,15 +182,22 @@ class DPMuon(torch.optim.Optimizer):
         if group["use_muon"] is not None:
             return bool(group["use_muon"])
         name = self.names.get(p)
-        return p.dim() >= 2 and (name is None or not any(x in name.lower() for x in self.exclude))
+        return p.dim() >= 2 and (name is None or not excluded([name, *self._owner_names.get(p, [])], self.exclude))
 
     def dp_bind_module(self, module: nn.Module) -> None:
-        """Find the weights stored ``[in, out]`` (Hugging Face ``Conv1D``) so their shape scale uses fan-out/fan-in.
+        """Learn which weights are stored ``[in, out]`` and which modules own each parameter.
 
-        The DP strategies call it before :meth:`dp_plan`; without one, call it once with the model.
+        Hugging Face ``Conv1D`` weights are stored ``[in, out]``: their shape scale uses the
+        layer's fan-out/fan-in. ``exclude`` patterns match the owning modules' names too. The DP
+        strategies call it before :meth:`dp_plan`; without one, call it once with the model.
         """
         # Module.__getattr__ types the weight as Tensor | Module; a Conv1D's is a parameter.
         self._stored_transposed = {cast(Tensor, m.weight) for m in module.modules() if is_hf_conv1d(m)}
+        owners: dict[Tensor, list[str]] = {}
+        for name, m in module.named_modules(remove_duplicate=False):
+            for p in m.parameters(recurse=False):
+                owners.setdefault(p, []).append(name)
+        self._owner_names = owners
 
     def dp_plan(self, named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> DPPlan:
         """Each Muon matrix its own clip group, the other parameters one group (or all one, ``"flat"``); Δ = C."""

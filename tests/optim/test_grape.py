@@ -394,3 +394,29 @@ def test_a_linear_subclass_with_its_own_forward_is_not_projected() -> None:
     opt.dp_bind_module(net)
     opt.dp_plan(list(net.named_parameters()), 1.0)
     assert {proj.name for proj in opt.projections.values()} == {"0.weight"}  # "2.weight": 2 < r rows
+
+
+class Conv1DLookalike(nn.Linear):
+    """A Linear subclass with its own forward whose class is named like Hugging Face's, outside ``transformers``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+Conv1DLookalike.__name__ = "Conv1D"
+
+
+def test_the_projected_layers_are_those_the_engines_factor_as_matrices() -> None:
+    """One Conv1D check and one layer rule (``engines.factors_matrix``): no copy of either in DP-GRAPE or DP-Muon."""
+    from dplightning.optim import DPMuon
+    from dplightning.privacy.grad_sample import engines
+
+    net = nn.Sequential(nn.Linear(8, 8), Conv1D(8, 8), Conv1DLookalike(8, 8), nn.Embedding(9, 8), nn.Conv1d(8, 8, 1))
+    grape = DPGrape(net.parameters(), rank=4, exclude=())
+    grape.dp_bind_module(net)
+    grape.dp_plan(list(net.named_parameters()), 1.0)
+    assert {proj.name for proj in grape.projections.values()} == {"0.weight", "1.weight"}
+    assert [engines.factors_matrix(m) for m in net] == [True, True, False, False, False]
+    muon = DPMuon(net.parameters())
+    muon.dp_bind_module(net)
+    assert muon._stored_transposed == {net[1].weight}  # the real Conv1D only: its fan-out/fan-in scale
