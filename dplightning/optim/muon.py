@@ -27,7 +27,7 @@ from dplightning.optim.bias_correction import MOMENTUM_FORMS, MomentumForm, mome
 from dplightning.optim.newton_schulz import NORMALIZATIONS, Normalization
 from dplightning.optim.newton_schulz import ns_coefficients as resolve_coefficients
 from dplightning.optim.patterns import excluded
-from dplightning.privacy.clipping import ClipGroup
+from dplightning.privacy.clipping import ClipGroup, split_max_grad_norm
 from dplightning.privacy.grad_sample.engines import is_hf_conv1d
 from dplightning.protocols import DPPlan, DPRelease
 
@@ -213,8 +213,8 @@ class DPMuon(torch.optim.Optimizer):
             weights = [1.0] * len(blocks)
         else:
             weights = [float(sum(p.numel() for p in ps)) for _, ps in blocks]
-        total = sum(weights)
-        return DPPlan([ClipGroup(n, ps, max_grad_norm * math.sqrt(w / total)) for (n, ps), w in zip(blocks, weights)])
+        bounds = split_max_grad_norm(max_grad_norm, weights)
+        return DPPlan([ClipGroup(n, ps, bound) for (n, ps), bound in zip(blocks, bounds)])
 
     def dp_release(self, release: DPRelease) -> None:
         """Keep the step's release (the noisy means and their noise std) for :meth:`step`."""

@@ -73,6 +73,24 @@ def joint_sensitivity(groups: Sequence[ClipGroup]) -> float:
     return math.sqrt(sum(g.max_norm**2 for g in groups))
 
 
+def split_max_grad_norm(max_grad_norm: float, weights: Sequence[float]) -> list[float]:
+    """The groups' bounds ``C_b = C · sqrt(w_b / Σ w)``, so that the joint sensitivity ``Δ = sqrt(Σ_b C_b²)`` is C.
+
+    The one place where C is split over groups: the built-in policies weight every group
+    alike (``C_b = C / sqrt(k)``, computed as such), DP-Muon's ``clip_split="numel"`` by size.
+
+    Args:
+        max_grad_norm: C.
+        weights: One non-negative weight per group (not all 0 unless all equal).
+    """
+    if not weights:
+        return []
+    if all(w == weights[0] for w in weights):
+        return [max_grad_norm / math.sqrt(len(weights))] * len(weights)
+    total = sum(weights)
+    return [max_grad_norm * math.sqrt(w / total) for w in weights]
+
+
 @register_clipping("flat")
 def _flat(named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> list[ClipGroup]:
     return [ClipGroup("all", tuple(p for _, p in named_params), max_grad_norm)]
@@ -84,8 +102,8 @@ def _per_layer(named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: 
     layers: dict[str, list[nn.Parameter]] = {}
     for name, p in named_params:
         layers.setdefault(name.rpartition(".")[0], []).append(p)
-    bound = max_grad_norm / math.sqrt(len(layers)) if layers else max_grad_norm
-    return [ClipGroup(layer or "<root>", tuple(ps), bound) for layer, ps in layers.items()]
+    bounds = split_max_grad_norm(max_grad_norm, [1.0] * len(layers))
+    return [ClipGroup(layer or "<root>", tuple(ps), bound) for (layer, ps), bound in zip(layers.items(), bounds)]
 
 
 def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
@@ -103,9 +121,8 @@ def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
 @register_clipping("per_matrix")
 def _per_matrix(named_params: Sequence[tuple[str, nn.Parameter]], max_grad_norm: float) -> list[ClipGroup]:
     """Each ≥2-D weight its own group, the other parameters one group; bounds ``C / sqrt(groups)``, so ``Δ = C``."""
-    matrices = [(name, p) for name, p in named_params if p.dim() >= 2]
+    blocks: list[tuple[str, tuple[nn.Parameter, ...]]] = [(name, (p,)) for name, p in named_params if p.dim() >= 2]
     rest = tuple(p for _, p in named_params if p.dim() < 2)
-    count = len(matrices) + bool(rest)
-    bound = max_grad_norm / math.sqrt(count) if count else max_grad_norm
-    groups = [ClipGroup(name, (p,), bound) for name, p in matrices]
-    return groups + ([ClipGroup("non-matrix", rest, bound)] if rest else [])
+    blocks += [("non-matrix", rest)] if rest else []
+    bounds = split_max_grad_norm(max_grad_norm, [1.0] * len(blocks))
+    return [ClipGroup(name, ps, bound) for (name, ps), bound in zip(blocks, bounds)]

@@ -20,6 +20,7 @@ from dplightning.optim.bias_correction import (
 )
 from dplightning.optim.muon import PAPER_FORM
 from dplightning.optim.newton_schulz import newton_schulz
+from dplightning.privacy.clipping import split_max_grad_norm
 from dplightning.protocols import DPRelease
 from tests.helpers import TinyModule, dp, make_dataset, make_trainer, params_of
 from tests.reference import clipped_sum, per_example_grads
@@ -283,6 +284,19 @@ def test_the_plan_splits_matrices_from_embeddings_heads_and_vectors() -> None:
     assert plan.groups[0].max_norm == pytest.approx(2.0 * math.sqrt(16 / (16 + 40 + 12 + 4)))  # ∝ √numel
     with pytest.raises(ValueError, match="momentum_form"):
         DPMuon([hidden], momentum_form="adam")  # type: ignore[arg-type]
+
+
+SIZES = [[(4, 4)], [(4, 4), (3, 5), (6,)], [(8, 2)] * 3, [(8, 2), (4, 4), (2, 8), (3,), (5,)]]
+
+
+@pytest.mark.parametrize("clip_split", ["equal", "numel"])
+@pytest.mark.parametrize("sizes", SIZES)
+def test_the_plans_bounds_are_the_one_split_of_c(clip_split: str, sizes: list[tuple[int, ...]]) -> None:
+    named = [(f"h.{i}.weight", nn.Parameter(torch.zeros(s))) for i, s in enumerate(sizes)]
+    groups = DPMuon([p for _, p in named], clip_split=clip_split).dp_plan(named, 0.9).groups  # type: ignore[arg-type]
+    sized = [float(sum(p.numel() for p in g.params)) for g in groups]
+    weights = [1.0] * len(groups) if clip_split == "equal" else sized
+    assert [g.max_norm for g in groups] == split_max_grad_norm(0.9, weights)  # bit for bit
 
 
 # ---------------------------------------------------------------- the paper's form and the control arms
