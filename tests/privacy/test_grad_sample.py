@@ -201,3 +201,25 @@ def test_forward_without_backward_is_forgotten() -> None:
     names = {p: n for n, p in model.named_parameters()}
     for p, g in got.items():
         torch.testing.assert_close(g.instantiate() * len(x), expected[names[p]], rtol=1e-5, atol=1e-6)
+
+
+class KeywordBag(nn.Module):
+    """An EmbeddingBag given its ids and offsets by keyword: no positional tensor reaches its hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 3, mode="sum")
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.bag(input=ids, offsets=offsets)
+
+
+def test_a_bag_count_unlike_the_batch_is_explained_when_the_inputs_come_by_keyword() -> None:
+    model = KeywordBag()
+    hooks = PerExampleHooks(model, list(model.parameters()))
+    ids, offsets = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 4])  # 3 bags in a batch of 4 examples
+    try:
+        with hooks.capture(rows=4), pytest.raises(RuntimeError, match=r"input of 3 rows .* the training batch has 4"):
+            model(ids=ids, offsets=offsets)
+    finally:
+        hooks.close()

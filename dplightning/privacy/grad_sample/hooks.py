@@ -58,6 +58,12 @@ def _autocast_state(tensors: Sequence[Tensor]) -> tuple[str, torch.dtype] | None
     return None
 
 
+def _input_shape(call: LayerCall) -> str:
+    """The shape of the call's first tensor input, positional or (an ``nn.EmbeddingBag``'s ids) by keyword."""
+    first = next((a for a in (*call.args, *call.kwargs.values()) if isinstance(a, Tensor)), None)
+    return "no tensor input" if first is None else f"shape {list(first.shape)}"
+
+
 def _is_plain_embedding(layer: nn.Module) -> bool:
     return isinstance(layer, nn.Embedding) and type(layer).forward is nn.Embedding.forward
 
@@ -241,11 +247,9 @@ class PerExampleHooks:
             )
         if layer in self._batch_major and rows > 0 and seen % rows == 0 and call.examples is None:
             return seen // rows
-        # A known bug, left for review (notes/issue26.md, item 6): `first` is None for an EmbeddingBag given
-        # ids and offsets by keyword, and this message then fails with an AttributeError.
         raise RuntimeError(
             f"Layer '{self._names.get(layer, type(layer).__name__)}' ({type(layer).__name__}) was called with an "
-            f"input of {seen} rows (shape {list(first.shape)}) while the training batch has {rows} "  # type: ignore[union-attr]
+            f"input of {seen} rows ({_input_shape(call)}) while the training batch has {rows} "
             "examples, so its per-example gradients cannot be told apart. Either the model carries state from an "
             "earlier batch into this one (e.g. an RNN hidden state kept in self.hidden between batches: stateful "
             "models are not supported, since the state holds other examples' data; start every batch from a fresh "
