@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import Strategy
@@ -57,7 +57,7 @@ from dplightning.protocols import CountsExamples, ShowsEpsilon
 from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount, _OptimizerMetrics
 from dplightning.strategies._trainer import trainer_callbacks
 from dplightning.strategies.accounting import PrivacyAccounting, mechanism_of
-from dplightning.strategies.checkpoint import atomic_save, is_local_path
+from dplightning.strategies.checkpoint import DPCheckpointIO
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.correlated import build_strategy, describe_workload, strategy_sensitivity, workload_of
 from dplightning.strategies.coupling import CouplingProbe, probe_batch, quietly, rng_state, step_loss
@@ -347,15 +347,23 @@ class _DPHooks(Strategy):
         self._closure_calls = 0
         return super().optimizer_step(optimizer, self._private_closure(closure), model, **kwargs)
 
+    @property
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        self.privacy_record().store_in(checkpoint)
-        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local_path(filepath):
-            # Lightning's own local write is not atomic across filesystems (see strategies/checkpoint.py).
-            if self.is_global_zero:
-                atomic_save(checkpoint, filepath)
-            return
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's checkpoint I/O (its default, or the one given), held inside a :class:`DPCheckpointIO`.
+
+        Every checkpoint Lightning writes through the strategy then carries the privacy record,
+        and a local one is written atomically (``strategies/checkpoint.py``).
+        """
+        io = super().checkpoint_io  # Lightning's default, set up as Lightning sets it up
+        if not isinstance(io, DPCheckpointIO):
+            io = DPCheckpointIO(self.privacy_record, io)
+            self._checkpoint_io = io
+        return io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io  # wrapped when next read (the Trainer sets the one given as a plugin)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The privacy record: one writer and one reader of the checkpoint's entry (the strategy writes, the commands read).
+"""The privacy record: one writer and one reader of the checkpoint's entry, and the checkpoint I/O that writes it.
 
 ``records/previous_records.json`` holds records as the strategy wrote them before
 :class:`PrivacyRecord` existed (``records/make_previous_records.py``, run at that commit),
@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
 import dplightning
 from dplightning.cli import main as cli_main
@@ -30,6 +31,8 @@ from dplightning.privacy.record import (
     PrivacyRecord,
 )
 from dplightning.report import privacy_report
+from dplightning.strategies import checkpoint as checkpoint_module
+from dplightning.strategies.checkpoint import DPCheckpointIO
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer
 
 PREVIOUS = json.loads((Path(__file__).parent / "records" / "previous_records.json").read_text(encoding="utf-8"))
@@ -139,6 +142,53 @@ def test_the_strategy_writes_its_record_through_the_one_writer(saved: tuple[Any,
     assert PrivacyRecord.from_checkpoint(checkpoint).to_dict() == stored
     assert stored == strategy.dp_state_dict() == strategy.privacy_record().to_dict()
     assert list(stored["ledger"]["history"]) == [(1.3, BATCH / N, 3)] and stored["run_id"] == strategy._run_id
+
+
+def test_the_strategy_holds_the_dp_checkpoint_io_around_lightnings(saved: tuple[Any, dict[str, Any]]) -> None:
+    strategy, _ = saved
+    io = strategy.checkpoint_io
+    assert isinstance(io, DPCheckpointIO) and type(io.checkpoint_io) is TorchCheckpointIO
+    assert strategy.checkpoint_io is io  # wrapped once
+
+
+def test_a_local_save_goes_through_the_atomic_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    written: list[Path] = []
+    atomic = checkpoint_module.atomic_save
+    monkeypatch.setattr(checkpoint_module, "atomic_save", lambda obj, path: (written.append(path), atomic(obj, path)))
+    trainer = make_trainer(dp(noise_multiplier=1.0), max_steps=1)
+    trainer.fit(TinyModule(), loader(make_dataset(N), BATCH))
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    assert written == [tmp_path / "run.ckpt"]
+    assert PrivacyRecord.from_checkpoint(torch.load(tmp_path / "run.ckpt", weights_only=True)).steps == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.ckpt"]
+
+
+class _Recording(TorchCheckpointIO):
+    """A user's plugin: it writes what it is given, in its own way."""
+
+    def __init__(self) -> None:
+        self.saved: list[dict[str, Any]] = []
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        self.saved.append(checkpoint)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+@pytest.mark.parametrize("given_as", ["strategy", "plugin"])
+def test_a_users_checkpoint_io_writes_and_the_record_is_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given_as: str
+) -> None:
+    monkeypatch.setattr(checkpoint_module, "atomic_save", lambda obj, path: pytest.fail("not the user's plugin"))
+    user: CheckpointIO = _Recording()
+    if given_as == "strategy":
+        trainer = make_trainer(dp(noise_multiplier=1.0, checkpoint_io=user), max_steps=1)
+    else:
+        trainer = make_trainer(dp(noise_multiplier=1.0), max_steps=1, plugins=[user])
+    trainer.fit(TinyModule(), loader(make_dataset(N), BATCH))
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    io = trainer.strategy.checkpoint_io
+    assert isinstance(io, DPCheckpointIO) and io.checkpoint_io is user
+    assert len(user.saved) == 1 and PrivacyRecord.from_checkpoint(user.saved[0]).steps == 1
 
 
 def test_resuming_from_an_incomplete_record_is_refused(saved: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
