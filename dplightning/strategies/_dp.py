@@ -64,7 +64,8 @@ from dplightning.strategies.coupling import CouplingProbe, probe_batch, quietly,
 from dplightning.strategies.engine_report import report_engines
 from dplightning.strategies.journal import PrivacyJournal
 from dplightning.strategies.private_logging import watch_private_logs
-from dplightning.strategies.private_step import VERIFIED_STEPS, PrivateStep
+from dplightning.strategies.private_step import PrivateStep
+from dplightning.strategies.verification import VERIFIED_STEPS
 
 
 class _DPHooks(Strategy):

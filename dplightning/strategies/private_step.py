@@ -5,9 +5,10 @@ it at four points of every optimizer step, each a named template step:
 
 1. :meth:`PrivateStep.batch` around ``training_step``: hooks capture the layers' calls.
 2. :meth:`PrivateStep.after_backward` after each backward pass: the engines' per-example
-   gradients are verified against autograd (first steps), then clipped into the fp32
-   buckets (automatic optimization) or summed with the batch's other backward passes
-   (manual optimization). The raw ``p.grad`` never survives a backward pass.
+   gradients are verified against autograd (first steps; :mod:`.verification`), then
+   clipped into the fp32 buckets (automatic optimization) or summed with the batch's other
+   backward passes (manual optimization; :mod:`.accumulation`). The raw ``p.grad`` never
+   survives a backward pass.
 3. :meth:`PrivateStep.release` once per optimizer step: noise once, the cross-rank sum,
    division by the public expected batch, then ``p.grad`` (and the optimizer's DP plan, if
    it has one) receive the noisy mean.
@@ -28,21 +29,14 @@ from dplightning.privacy.buffers import BufferWatch, public_buffers
 from dplightning.privacy.clipping import ClipGroup, make_clip_groups
 from dplightning.privacy.correlated_noise import CorrelatedBucketNoise
 from dplightning.privacy.grad_sample import PerExampleGrad, PerExampleHooks, SlotTransform
-from dplightning.privacy.grad_sample.grads import add
-from dplightning.privacy.mechanism import (
-    BucketReducer,
-    GradientPrivatizer,
-    MicroBatchStats,
-    merge_stats,
-    verify_per_example_sum,
-)
+from dplightning.privacy.matrix_mechanism import Strategy as NoiseStrategy
+from dplightning.privacy.mechanism import BucketReducer, GradientPrivatizer, MicroBatchStats, merge_stats
 from dplightning.privacy.noise import GaussianNoise
 from dplightning.protocols import DPPlan, DPPlanned, DPRelease
+from dplightning.strategies.accumulation import ManualAccumulation
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.coupling import CouplingProbe, coupled_parameters, rng_state, set_rng_state
-
-VERIFIED_STEPS = 2
-"""Steps with a non-empty batch that ``verify_gradients="first_steps"`` checks after each (re)planning."""
+from dplightning.strategies.verification import GradientVerification
 
 
 class PrivateStep:
@@ -66,8 +60,8 @@ class PrivateStep:
         self.last_step_stats: list[MicroBatchStats] = []
         self.nonfinite_examples = 0
         self._stats: list[MicroBatchStats] = []
-        self._pending: dict[nn.Parameter, list[PerExampleGrad]] = {}
-        self._pending_scale = 1.0
+        self.accumulation = ManualAccumulation()
+        self.verification = GradientVerification(config.verify_gradients)
         self._automatic = True
         self._scale = 1.0
         self._early = False
@@ -81,8 +75,6 @@ class PrivateStep:
         self._probe: CouplingProbe | None = None
         self.probing = False
         """Whether ``training_step`` is running on the coupling probe's batch (see strategies/coupling.py)."""
-        self._verify_left = 0
-        self._verified_rows = False
         self.hooks: PerExampleHooks | None = None
         self.buffers = BufferWatch(module, public_buffers(module))
         self.plan()
@@ -123,7 +115,7 @@ class PrivateStep:
         self._local_groups = _layer_local_groups(self.hooks.layers, groups)
         self.hooks.on_layer_done = self._on_layer_done if self._local_groups else None
         self._signature = _trainable_signature(self.optimizer)
-        self._verify_left = VERIFIED_STEPS if self.config.verify_gradients == "first_steps" else 0
+        self.verification.restart()
 
     def trainables_changed(self) -> bool:
         """Whether the optimizer's trainable parameters differ from the planned ones."""
@@ -150,17 +142,37 @@ class PrivateStep:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
+    def engines(self) -> dict[str, str]:
+        """The clipping engine of every hooked layer: layer name -> engine."""
+        hooks = known(self.hooks, "the per-example hooks")
+        return {name: engine for name, _, _, engine in hooks.summary()}
+
     @property
     def groups(self) -> list[ClipGroup]:
         """The clipping groups in :class:`MicroBatchStats` column order."""
         return self.privatizer.groups
 
-    # ------------------------------------------------------------------ one batch
+    @property
+    def sensitivity(self) -> float:
+        """The joint sensitivity Δ of the clip groups, √(Σ C_b²) (C for flat clipping)."""
+        return self.privatizer.sensitivity
+
+    def parameter_names(self) -> list[str]:
+        """Names of the privatized parameters in :attr:`MicroBatchStats.param_sq_norms` column order."""
+        names = {p: n for n, p in self.module.named_parameters()}
+        return [names[p] for p in self.privatizer.params]
 
     @property
-    def verifying(self) -> bool:
-        """Whether this step's backward passes are checked against autograd's gradient."""
-        return self.config.verify_gradients == "always" or self._verify_left > 0
+    def capturing(self) -> bool:
+        """Whether the hooks are capturing a training batch's layer calls now."""
+        return self.hooks is not None and self.hooks.capturing
+
+    def bind_noise_strategy(self, strategy: NoiseStrategy) -> None:
+        """Give a correlated noise source the strategy matrix C of the run (before each release)."""
+        if isinstance(self.noise, CorrelatedBucketNoise):
+            self.noise.bind(strategy)
+
+    # ------------------------------------------------------------------ one batch
 
     @contextmanager
     def batch(
@@ -189,9 +201,9 @@ class PrivateStep:
         self._scale = float(loss_divisor) * (float(units) if self.config.loss_reduction == "mean" and units else 1.0)
         # Per-layer groups are clipped as soon as their layer's backward is done (their inputs and
         # output gradients are then freed), under automatic optimization outside verification.
-        self._early = automatic and not self.verifying
+        self._early = automatic and not self.verification.active
         self.restore_weight_grads()
-        if not self.verifying:
+        if not self.verification.active:
             self._suspended = [p for p in self.privatizer.params if p.requires_grad]
             for p in self._suspended:
                 p.requires_grad_(False)
@@ -213,7 +225,7 @@ class PrivateStep:
     @property
     def pending(self) -> bool:
         """Whether backward passes of the current batch await their release (manual optimization)."""
-        return bool(self._pending)
+        return self.accumulation.pending
 
     def after_backward(self) -> None:
         """Take the per-example gradients of one backward pass; drop autograd's raw gradient.
@@ -227,8 +239,8 @@ class PrivateStep:
         if automatic:
             self.restore_weight_grads()
         grads = hooks.pop(self._rows_per_unit)
-        if self.verifying:
-            self._verify(grads)
+        if self.verification.active:
+            self.verification.check(self.module, self.privatizer.params, grads, self.transforms, self._batch_units)
         if self._probe is not None:
             self._check_coupling(grads)
         for p in self.module.parameters():
@@ -237,9 +249,7 @@ class PrivateStep:
         if automatic:
             self._clip(grads, scale)
         else:
-            self._pending_scale = scale
-            for p, g in grads.items():
-                self._pending.setdefault(p, []).append(g)
+            self.accumulation.add(grads, scale)
 
     def _on_layer_done(self, layer: nn.Module) -> None:
         if not self._early or layer not in self._local_groups:
@@ -263,23 +273,6 @@ class PrivateStep:
             )
         self.nonfinite_examples += stats.nonfinite
         self._stats.append(stats)
-
-    def _verify(self, grads: dict[nn.Parameter, PerExampleGrad]) -> None:
-        # The captured per-row gradients are of the loss as backpropagated, like p.grad: no rescaling.
-        mismatched = verify_per_example_sum(self.privatizer.params, grads, 1.0, self.transforms)
-        if self._batch_units:
-            self._verified_rows = True
-        if mismatched:
-            names = {p: n for n, p in self.module.named_parameters()}
-            listed = ", ".join(f"{names.get(p, '?')} (relative error {err:.2g})" for p, err in mismatched[:8])
-            raise RuntimeError(
-                f"Autograd's gradient differs from the sum of the per-example gradients for: {listed}. Part of these "
-                "parameters' gradient bypasses the per-example hooks, so it could not be clipped per example: a "
-                "weight used outside its own module's forward (F.linear(h, emb.weight), a penalty on a weight in "
-                "training_step), or a custom autograd path. Use the weight through its module (tie it to an "
-                "nn.Linear), move weight penalties into the optimizer (weight_decay), or freeze it. "
-                "(verify_gradients='never' turns this check off.)"
-            )
 
     def _check_coupling(self, grads: dict[nn.Parameter, PerExampleGrad]) -> None:
         """Replay the step on the probe batch; refuse if a kept unit's gradient changed (strategies/coupling.py)."""
@@ -340,12 +333,10 @@ class PrivateStep:
             step: Index of this noisy step.
         """
         self.restore_weight_grads()
-        if self._pending:
-            pending, self._pending = self._pending, {}
-            self._clip({p: add(parts) for p, parts in pending.items()}, self._pending_scale)
-        if self._verify_left and self._verified_rows:
-            self._verify_left -= 1
-        self._verified_rows = False
+        accumulated = self.accumulation.take()
+        if accumulated is not None:
+            self._clip(*accumulated)
+        self.verification.step_done()
         self.noise.start_step(step)
         self.privatizer.release(self.noise, local_noise_std, expected_batch_size, reduce)
         if isinstance(self.optimizer, DPPlanned):
@@ -359,7 +350,7 @@ class PrivateStep:
         if self.hooks is not None:
             self.hooks.close()
         self.hooks = None
-        self._pending = {}
+        self.accumulation.clear()
         self._stats = []
 
 
