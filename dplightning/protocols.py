@@ -2,11 +2,14 @@
 
 Nothing here is a base class to inherit from: any object with these members works.
 
-* Strategy -> callbacks, CLI and progress bar: :class:`AccountingSource` (the public
-  privacy state), :class:`NormSource` (raw per-example norms, **not private**) and
-  :class:`StepReleaseSource` (account one more noisy statistic per step).
+* Strategy -> callbacks, CLI and progress bar: the strategy's DP state, one read-only object
+  (``strategy.dp_state``, :class:`~dplightning.strategies.state.DPState`; found by
+  :func:`dp_state_of`), read through :class:`AccountingSource` (the public privacy state),
+  :class:`NormSource` (raw per-example norms, **not private**) and :class:`StepReleaseSource`
+  (what a callback releasing a noisy statistic per step reads).
 * Callback -> strategy: :class:`ShowsEpsilon` (the callback logs ε itself, so the strategy
-  adds no ε progress bar of its own).
+  adds no ε progress bar of its own) and :class:`RegistersStepReleases` (the strategy accounts
+  one more noisy statistic per step).
 * Optimizer -> strategy: :class:`DPPlanned`, an optimizer's DP plan: its clipping groups and
   per-example transforms, and the noisy release it receives with its noise std.
 * LightningModule -> strategy: :class:`MultiRowUnits`, privacy units of several rows.
@@ -98,7 +101,13 @@ class NormSource(Protocol):
 
 @runtime_checkable
 class StepReleaseSource(NormSource, Protocol):
-    """A strategy that accounts extra per-step releases (see ``register_step_release``)."""
+    """What a callback that releases a noisy statistic of every step reads of the DP state, besides the norms.
+
+    The release itself is accounted through the strategy (:class:`RegistersStepReleases`).
+
+    Attributes:
+        secure_mode: Whether the release's noise must come from the OS CSPRNG too.
+    """
 
     secure_mode: bool
 
@@ -106,6 +115,11 @@ class StepReleaseSource(NormSource, Protocol):
     def expected_batch_size(self) -> float | None:
         """The public expected batch size q·N."""
         ...
+
+
+@runtime_checkable
+class RegistersStepReleases(Protocol):
+    """A DP strategy that accounts extra per-step releases (see ``register_step_release``)."""
 
     def register_step_release(self, name: str, noise_multiplier: float) -> None:
         """Account a sensitivity-1 release with noise N(0, σ_r²) at every step."""
@@ -214,6 +228,15 @@ class CountsExamples(Protocol):
 
 
 _S = TypeVar("_S")
+
+
+def dp_state_of(strategy: object) -> object:
+    """The DP state a strategy publishes as ``dp_state``; else the strategy itself.
+
+    The DP strategies publish one read-only state object; a strategy of another library may
+    implement the interfaces above directly, and is then read as it is.
+    """
+    return getattr(strategy, "dp_state", strategy)
 
 
 def require(strategy: object, interface: type[_S], user: str) -> _S:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 
 from dplightning.privacy.accounting import PrivacyLedger
-from dplightning.protocols import AccountingSource
+from dplightning.protocols import AccountingSource, dp_state_of
 
 
 class BudgetSource(Protocol):
@@ -34,23 +34,23 @@ class BudgetSource(Protocol):
 
 
 class StrategySource:
-    """A DP strategy's own ledger (see :class:`~dplightning.callbacks.AccountingSource`)."""
+    """A DP strategy's own ledger, read from its DP state (see :class:`~dplightning.callbacks.AccountingSource`)."""
 
-    def __init__(self, strategy: AccountingSource) -> None:
-        if not strategy.poisson_sampling:
+    def __init__(self, state: AccountingSource) -> None:
+        if not state.poisson_sampling:
             raise ValueError("PrivacyBudget needs poisson_sampling=True: without it ε is infinite from the first step.")
-        self.strategy = strategy
+        self.state = state
 
     @property
     def ledger(self) -> PrivacyLedger:
-        return self.strategy.ledger
+        return self.state.ledger
 
     @property
     def default_delta(self) -> float | None:
-        return self.strategy.delta
+        return self.state.delta
 
     def next_step(self) -> tuple[float, float]:
-        sigma, q = self.strategy.accounted_noise_multiplier, self.strategy.sample_rate
+        sigma, q = self.state.accounted_noise_multiplier, self.state.sample_rate
         if sigma is None or q is None:
             raise RuntimeError("The strategy's σ and q are unknown before its train loader is set up.")
         return sigma, q
@@ -100,8 +100,9 @@ def find_source(trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Any 
     Raises:
         TypeError: If neither is available.
     """
-    if engine is None and isinstance(trainer.strategy, AccountingSource):
-        return StrategySource(trainer.strategy)
+    state = dp_state_of(trainer.strategy)
+    if engine is None and isinstance(state, AccountingSource):
+        return StrategySource(state)
     engine = engine if engine is not None else _find_engine(pl_module)
     optimizer = _find_dp_optimizer(trainer)
     if engine is None or optimizer is None:

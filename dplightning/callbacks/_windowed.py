@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from dplightning.callbacks._logging import output_dir
 from dplightning.privacy.mechanism import MicroBatchStats
-from dplightning.protocols import NormSource, require
+from dplightning.protocols import NormSource, dp_state_of, require
 
 R = TypeVar("R")
 
@@ -52,7 +52,7 @@ class WindowedStatistics(Callback, Generic[R]):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.enabled:
             return
-        self._source = require(trainer.strategy, NormSource, type(self).__name__)
+        self._source = require(dp_state_of(trainer.strategy), NormSource, type(self).__name__)
         self._start(self._source)
         self.history, self._window = [], []
 
@@ -83,7 +83,7 @@ class WindowedStatistics(Callback, Generic[R]):
         self.history.append(self._close_window(trainer, window, steps_done))
 
     def _start(self, source: NormSource) -> None:
-        """Read what the strategy fixed at setup (groups, parameter names)."""
+        """Read what the strategy fixed at setup (groups, parameter names) from its DP state."""
 
     def _summarize_step(self, stats: list[MicroBatchStats]) -> Tensor:
         """This rank's summary of one step (one entry per backward pass in ``stats``)."""

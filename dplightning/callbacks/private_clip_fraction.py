@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from dplightning._state import known
 from dplightning.privacy.noise import GaussianNoise, derive_seed
-from dplightning.protocols import StepReleaseSource, require
+from dplightning.protocols import RegistersStepReleases, StepReleaseSource, dp_state_of, require
 
 RELEASE_NAME = "clip_count"
 METRIC = "private/clip_fraction"
@@ -59,9 +59,11 @@ class PrivateClipFraction(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        name = type(self).__name__
+        self._source = require(dp_state_of(trainer.strategy), StepReleaseSource, name)
         # Before the strategy calibrates σ (when its train loader is set up), so target_epsilon includes the count.
-        self._source = require(trainer.strategy, StepReleaseSource, type(self).__name__)
-        self._source.register_step_release(RELEASE_NAME, self.noise_multiplier)
+        accounting = require(trainer.strategy, RegistersStepReleases, name)
+        accounting.register_step_release(RELEASE_NAME, self.noise_multiplier)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -6,6 +6,9 @@
 * :class:`~dplightning.strategies.private_step.PrivateStep`: per-example gradients, clipping,
   noise and the release (built at setup, when the module and optimizer are known).
 
+What callbacks and users read of the run is one read-only object,
+:class:`~dplightning.strategies.state.DPState` (``strategy.dp_state``).
+
 Per optimizer step (``docs/dp_sgd_core.md``, "The mechanism, step by step")::
 
     (training_step -> backward -> on_after_backward -> post_backward: clip into buckets)  x k micro-batches
@@ -46,7 +49,6 @@ from dplightning._state import known
 from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible, loader_batch_size
 from dplightning.data.provenance import data_provenance
 from dplightning.privacy.accounting import PrivacyLedger
-from dplightning.privacy.clipping import ClipGroup
 from dplightning.privacy.correlated_noise import CorrelatedBucketNoise, marginal_std_factors
 from dplightning.privacy.grad_sample.validation import refuse_batch_mean_loss
 from dplightning.privacy.matrix_mechanism import Strategy as NoiseStrategy
@@ -65,7 +67,23 @@ from dplightning.strategies.engine_report import report_engines
 from dplightning.strategies.journal import PrivacyJournal
 from dplightning.strategies.private_logging import watch_private_logs
 from dplightning.strategies.private_step import PrivateStep
+from dplightning.strategies.state import CorrelatedPlan, DPState, FitParts
 from dplightning.strategies.verification import VERIFIED_STEPS
+
+
+def _state_alias(name: str) -> Any:
+    """A read-only property of the strategy that returns ``dp_state.<name>``: a deprecated alias.
+
+    The strategy used to forward each of these values itself; they now live on
+    :class:`~dplightning.strategies.state.DPState`, and the alias keeps code that reads them on
+    the strategy working.
+    """
+
+    def read(self: _DPHooks) -> Any:
+        return getattr(self.dp_state, name)
+
+    summary = (getattr(DPState, name).__doc__ or "").strip().splitlines()[0]
+    return property(read, doc=f"{summary}\n\nDeprecated alias: read ``dp_state.{name}`` (:class:`DPState`).")
 
 
 class _DPHooks(Strategy):
@@ -78,13 +96,14 @@ class _DPHooks(Strategy):
     def _dp_init(self, config: DPConfig) -> None:
         self.dp_config = config
         self.accounting = PrivacyAccounting(config)
-        self.private_step: PrivateStep | None = None
+        self._fit = FitParts()
+        self.dp_state = DPState(config, self.accounting, self._fit)
+        """The run's public DP state (σ, q, δ, ledger, ε, the last step's raw statistics), read-only."""
         self._trainer: pl.Trainer | None = None
         self._resume_record: PrivacyRecord | None = None
         self._batches_since_release = 0
         self._closure_calls = 0
         self._extra_handles: list[Any] = []
-        self._final_stats: tuple[list[MicroBatchStats], int] = ([], 0)  # kept after teardown
         self._engines: dict[str, str] = {}  # layer -> engine, kept after teardown for the checkpoint
         self._engine_table: str | None = None  # the last setup's, kept after teardown
         self._rows_per_unit = 1
@@ -92,27 +111,14 @@ class _DPHooks(Strategy):
         self._warned_nonfinite = False
         self._nonfinite_seen = 0  # the count at the last release (examples are counted when clipped)
         self._released_this_fit = 0  # the coupling probe runs on the first steps of every fit
-        self._noise_strategy: NoiseStrategy | None = None  # C of a correlated mechanism (public), built at train start
-        self._noise_sensitivity: float | None = None  # of C x, in units of Δ
-        self._marginal: Any = None  # std of z_t per unit std of w, per step
         self._partition_seed: int | None = None  # public seed of the cyclic sampler's split, one per run
 
     # ------------------------------------------------------------------ public API
 
     @property
-    def noise_multiplier(self) -> float | None:
-        """σ; ``None`` until calibrated from ``target_epsilon`` (at the start of fit)."""
-        return self.accounting.noise_multiplier
-
-    @property
-    def accounted_noise_multiplier(self) -> float | None:
-        """σ the ledger records per step: σ_eff of the gradient and every registered step release."""
-        return self.accounting.accounted_noise_multiplier
-
-    @property
-    def step_releases(self) -> dict[str, float]:
-        """Registered per-step releases besides the gradient: name -> noise multiplier."""
-        return self.accounting.step_releases
+    def private_step(self) -> PrivateStep | None:
+        """The running fit's private step (``None`` outside a fit)."""
+        return self._fit.step
 
     def register_step_release(self, name: str, noise_multiplier: float) -> None:
         """Account one more Gaussian release made at every step from the step's Poisson sample.
@@ -135,94 +141,24 @@ class _DPHooks(Strategy):
         """
         self.accounting.register_step_release(name, noise_multiplier)
 
-    @property
-    def probing(self) -> bool:
-        """Whether ``training_step`` is running on the coupling probe's batch, not a real one.
-
-        On the first steps of a fit the strategy runs ``training_step`` a second time on a probe
-        batch, with logging off, to check that each example's gradient depends on that example
-        alone (``dplightning/strategies/coupling.py``). A step with side effects of its own
-        (counters, recorded batches) can skip them while this is ``True``.
-        """
-        return self.private_step is not None and self.private_step.probing
-
-    @property
-    def ledger(self) -> PrivacyLedger:
-        """The (σ, q, steps) history of the run."""
-        return self.accounting.ledger
-
-    @property
-    def poisson_sampling(self) -> bool:
-        """Whether batches are Poisson-sampled (otherwise ε is infinite)."""
-        return self.dp_config.poisson_sampling
-
-    @property
-    def secure_mode(self) -> bool:
-        """Whether noise and sampling come from the OS CSPRNG."""
-        return self.dp_config.secure_mode
-
-    @property
-    def max_grad_norm(self) -> float:
-        """The clipping bound C (the joint sensitivity for group clipping)."""
-        return self.dp_config.max_grad_norm
-
-    @property
-    def target_epsilon(self) -> float | None:
-        """The ε the run is calibrated for, if any."""
-        return self.dp_config.target_epsilon
-
-    @property
-    def sample_rate(self) -> float | None:
-        """Poisson sampling rate q (global), known once the train loader is set up."""
-        return self.accounting.sample_rate
-
-    @property
-    def expected_batch_size(self) -> float | None:
-        """Public expected batch size q·N that the noisy sum is divided by."""
-        return self.accounting.expected_batch_size
-
-    @property
-    def delta(self) -> float | None:
-        """δ: as given, or 1/(10·N) once the training set size N is known."""
-        return self.accounting.delta
-
-    @property
-    def steps(self) -> int:
-        """Noisy optimizer steps taken (and accounted), including resumed ones."""
-        return self.accounting.released_steps
-
-    @property
-    def noise_mechanism(self) -> str:
-        """``"gaussian"`` (DP-SGD), ``"band_mf"`` or ``"blt"``."""
-        return self.dp_config.noise_mechanism
-
-    @property
-    def noise_strategy(self) -> NoiseStrategy | None:
-        """The strategy matrix C of a correlated mechanism (public; built when training starts), else ``None``."""
-        return self._noise_strategy
-
-    @property
-    def noise_sensitivity(self) -> float:
-        """Sensitivity of C x in units of Δ that the noise is calibrated to (1 for DP-SGD).
-
-        Raises:
-            RuntimeError: For a correlated mechanism before training starts (C is not built yet).
-        """
-        if not self.dp_config.correlated:
-            return 1.0
-        if self._noise_sensitivity is None:
-            raise RuntimeError("The strategy matrix of the correlated noise is built when training starts.")
-        return self._noise_sensitivity
-
-    @property
-    def noise_std(self) -> float:
-        """Std of the noise added to the clipped sum: σ·Δ (Δ = joint sensitivity, C for flat).
-
-        For a correlated mechanism, the std of its white noise w: σ · (sensitivity of C x) · Δ.
-        """
-        step = self.private_step
-        sensitivity = step.privatizer.sensitivity if step is not None else self.dp_config.max_grad_norm
-        return (self.accounting.noise_multiplier or 0.0) * sensitivity * self.noise_sensitivity
+    # Deprecated aliases of dp_state's values, kept because the docs, scripts and tests read them on the strategy.
+    noise_multiplier: float | None = _state_alias("noise_multiplier")
+    accounted_noise_multiplier: float | None = _state_alias("accounted_noise_multiplier")
+    ledger: PrivacyLedger = _state_alias("ledger")
+    poisson_sampling: bool = _state_alias("poisson_sampling")
+    max_grad_norm: float = _state_alias("max_grad_norm")
+    target_epsilon: float | None = _state_alias("target_epsilon")
+    sample_rate: float | None = _state_alias("sample_rate")
+    expected_batch_size: float | None = _state_alias("expected_batch_size")
+    delta: float | None = _state_alias("delta")
+    steps: int = _state_alias("steps")
+    noise_mechanism: str = _state_alias("noise_mechanism")
+    noise_strategy: NoiseStrategy | None = _state_alias("noise_strategy")
+    noise_sensitivity: float = _state_alias("noise_sensitivity")
+    noise_std: float = _state_alias("noise_std")
+    last_step_stats: list[MicroBatchStats] = _state_alias("last_step_stats")
+    nonfinite_examples: int = _state_alias("nonfinite_examples")
+    probing: bool = _state_alias("probing")
 
     def engine_table(self) -> str:
         """The clipping engine of every hooked layer, as a table (setup prints a one-line summary).
@@ -238,36 +174,13 @@ class _DPHooks(Strategy):
             raise RuntimeError("No engine table yet: the per-example hooks are set up at the start of fit.")
         return self._engine_table
 
-    @property
-    def clip_groups(self) -> list[ClipGroup]:
-        """The clipping groups (names, bounds, parameters) in :class:`MicroBatchStats` column order."""
-        return list(self.private_step.groups) if self.private_step else []
-
-    @property
-    def privatized_parameter_names(self) -> list[str]:
-        """Names of the privatized parameters in :attr:`MicroBatchStats.param_sq_norms` column order."""
-        if self.private_step is None or self.lightning_module is None:
-            return []
-        names = {p: n for n, p in self.lightning_module.named_parameters()}
-        return [names[p] for p in self.private_step.privatizer.params]
-
-    @property
-    def last_step_stats(self) -> list[MicroBatchStats]:
-        """Per-micro-batch statistics of the last optimizer step (raw norms: NOT private)."""
-        return self.private_step.last_step_stats if self.private_step else self._final_stats[0]
-
-    @property
-    def nonfinite_examples(self) -> int:
-        """Examples whose per-example gradient was not finite (they contributed zero)."""
-        return self.private_step.nonfinite_examples if self.private_step else self._final_stats[1]
-
     def get_epsilon(self, delta: float | None = None) -> float:
         """Exact ε spent so far at ``delta`` (default: the strategy's δ); ``inf`` without Poisson sampling."""
-        return self.accounting.get_epsilon(delta)
+        return self.dp_state.get_epsilon(delta)
 
     def epsilon_bound(self, delta: float | None = None) -> float:
         """Cheap upper bound on ε for progress bars (see :meth:`PrivacyLedger.epsilon_bound`)."""
-        return self.accounting.epsilon_bound(delta)
+        return self.dp_state.epsilon_bound(delta)
 
     def privacy_record(self) -> PrivacyRecord:
         """The run's privacy record, as every checkpoint stores it (never any seed or generator state).
@@ -280,8 +193,8 @@ class _DPHooks(Strategy):
         """
         record = self.accounting.record()
         mechanism = dict(record.noise_mechanism or {})
-        if self._noise_sensitivity is not None:  # public: C depends on the planned steps and the optimizer only
-            mechanism["sensitivity"] = self._noise_sensitivity
+        if self._fit.correlated is not None:  # public: C depends on the planned steps and the optimizer only
+            mechanism["sensitivity"] = self._fit.correlated.sensitivity
         return replace(
             record,
             noise_mechanism=mechanism,
@@ -289,7 +202,7 @@ class _DPHooks(Strategy):
             rows_per_unit=self._rows_per_unit,
             **data_provenance(self._trainer, self._rows_per_unit),  # the data's privacy unit, not covered
             layer_engines=dict(self._engines),
-            nonfinite_examples=self.nonfinite_examples,
+            nonfinite_examples=self.dp_state.nonfinite_examples,
             run_id=self._run_id,
         )
 
@@ -378,22 +291,23 @@ class _DPHooks(Strategy):
         if self.accounting.ledger.steps:
             clipping = self.private_step.clipping if self.private_step is not None else None
             rank_zero_info(self.accounting.report(self.dp_config.clipping_engine, clipping))
-        if self.nonfinite_examples:
+        if nonfinite := self.dp_state.nonfinite_examples:
             warnings.warn(
-                f"{self.nonfinite_examples} example(s) of this run had a non-finite per-example gradient and "
+                f"{nonfinite} example(s) of this run had a non-finite per-example gradient and "
                 "contributed zero to their step.",
                 stacklevel=2,
             )
 
     @override
     def teardown(self) -> None:
-        if self.private_step is not None:
-            self._final_stats = (self.private_step.last_step_stats, self.private_step.nonfinite_examples)
-            self.private_step.close()
+        step = self._fit.step
+        if step is not None:
+            self._fit.final_stats, self._fit.final_nonfinite = step.last_step_stats, step.nonfinite_examples
+            step.close()
         for handle in self._extra_handles:
             handle.remove()
         self._extra_handles = []
-        self.private_step = None
+        self._fit.step = None
         super().teardown()
 
     # ------------------------------------------------------------------ setup
@@ -412,7 +326,7 @@ class _DPHooks(Strategy):
         if trainer.gradient_clip_val:
             rank_zero_warn(
                 "gradient_clip_val clips the already-private (noisy) gradient: harmless post-processing, but it "
-                f"is not per-example clipping. The per-example bound is max_grad_norm={self.max_grad_norm}."
+                f"is not per-example clipping. The per-example bound is max_grad_norm={self.dp_config.max_grad_norm}."
             )
         if is_overridden("on_after_backward", trainer.lightning_module):
             rank_zero_warn(
@@ -439,13 +353,12 @@ class _DPHooks(Strategy):
             noise = CorrelatedBucketNoise(self.dp_config.seed, self.global_rank, self.dp_config.secure_mode)
         else:
             noise = GaussianNoise(self.dp_config.seed, rank=self.global_rank, secure_mode=self.dp_config.secure_mode)
-        self.private_step = PrivateStep(self.dp_config, module, self.optimizers[0], noise)
-        hooks = known(self.private_step.hooks, "the per-example hooks")
-        self._engines = {name: engine for name, _, _, engine in hooks.summary()}
-        self._engine_table = self.private_step.summary()
+        step = self._fit.step = PrivateStep(self.dp_config, module, self.optimizers[0], noise)
+        self._engines = step.engines()
+        self._engine_table = step.summary()
         report_engines(self._engine_table, list(self._engines.values()), trainer, self.is_global_zero)
         self._rows_per_unit = _rows_per_unit(module)
-        capturing = lambda: self.private_step is not None and known(self.private_step.hooks, "the hooks").capturing  # noqa: E731
+        capturing = lambda: self._fit.step is not None and self._fit.step.capturing  # noqa: E731
         self._extra_handles = [*refuse_batch_mean_loss(module, capturing), watch_private_logs(trainer)]
         self._nonfinite_seen, self._warned_nonfinite = 0, False
         self._released_this_fit = 0
@@ -489,14 +402,13 @@ class _DPHooks(Strategy):
             )
         workload = workload_of(self.optimizers[0])
         strategy = build_strategy(mechanism, steps, workload)
-        if self._noise_strategy is not None and strategy != self._noise_strategy:
+        if self._fit.correlated is not None and strategy != self._fit.correlated.strategy:
             raise RuntimeError("The strategy matrix of this run changed between its train loaders.")
-        self._noise_strategy = strategy
-        self._noise_sensitivity = strategy_sensitivity(mechanism, strategy)
-        self._marginal = marginal_std_factors(strategy)
+        plan = CorrelatedPlan(strategy, strategy_sensitivity(mechanism, strategy), marginal_std_factors(strategy))
+        self._fit.correlated = plan
         rank_zero_info(
             f"Correlated noise: {mechanism.describe()}; strategy matrix for {steps} steps and the workload of "
-            f"{describe_workload(workload)} (sensitivity {self._noise_sensitivity:.4g} x Δ; {strategy.buffers} "
+            f"{describe_workload(workload)} (sensitivity {plan.sensitivity:.4g} x Δ; {strategy.buffers} "
             "secret buffer(s) of the noised size per noising rank)."
         )
 
@@ -643,11 +555,11 @@ class _DPHooks(Strategy):
             step.restore_weight_grads()
             if self.dp_config.correlated and step.trainables_changed():
                 raise RuntimeError(
-                    f"The trainable parameters changed at step {self.steps}: the correlated noise of "
+                    f"The trainable parameters changed at step {self.dp_state.steps}: the correlated noise of "
                     f"noise_mechanism={self.dp_config.noise_mechanism!r} runs over fixed buckets for the whole run. "
                     "Keep the trainable parameters fixed, or use the gaussian mechanism."
                 )
-            step.replan_if_changed(self.steps)
+            step.replan_if_changed(self.dp_state.steps)
         if step.pending:
             raise RuntimeError(
                 "Under DP, manual optimization must call opt.step() exactly once per training batch, after its "
@@ -743,36 +655,35 @@ class _DPHooks(Strategy):
             )
 
     def _release(self) -> None:
-        step = known(self.private_step, "the private step")
-        expected_batch_size = known(self.expected_batch_size, "the expected batch size q·N")
+        step, state = known(self._fit.step, "the private step"), self.dp_state
+        expected_batch_size = known(state.expected_batch_size, "the expected batch size q·N")
         self._check_one_batch_per_release()
-        total = self.noise_std
+        steps, total = state.steps, state.noise_std
         released = total  # the std of this step's noise on the clipped sum, as the optimizer's DP plan is told
         if self.dp_config.correlated:
-            strategy = known(self._noise_strategy, "the strategy matrix of the correlated noise")
-            if self.steps >= strategy.n:
+            plan = known(self._fit.correlated, "the strategy matrix of the correlated noise")
+            if steps >= plan.strategy.n:
                 raise RuntimeError(
-                    f"Step {self.steps} is past the {strategy.n} steps the strategy matrix of noise_mechanism="
+                    f"Step {steps} is past the {plan.strategy.n} steps the strategy matrix of noise_mechanism="
                     f"{self.dp_config.noise_mechanism!r} was built and accounted for; nothing was released."
                 )
-            if isinstance(step.noise, CorrelatedBucketNoise):
-                step.noise.bind(strategy)
-            released = total * float(self._marginal[self.steps])
-        step.release(self._local_noise_std(total), released, expected_batch_size, self._bucket_reducer(), self.steps)
+            step.bind_noise_strategy(plan.strategy)
+            released = total * float(plan.marginal[steps])
+        step.release(self._local_noise_std(total), released, expected_batch_size, self._bucket_reducer(), steps)
         self.accounting.step()
         self._released_this_fit += 1
         journal = self._journal()
         if journal is not None and self.is_global_zero and self.accounting.ledger.history:
             sigma, q, _ = self.accounting.ledger.history[-1]
-            journal.append(self.steps, sigma, q)  # durable before optimizer.step applies the update
+            journal.append(state.steps, sigma, q)  # durable before optimizer.step applies the update
         seen, self._nonfinite_seen = self._nonfinite_seen, step.nonfinite_examples
         if step.nonfinite_examples > seen and not self._warned_nonfinite:
             self._warned_nonfinite = True
             # Not rank_zero_warn: the rank that met the example says so. Later ones are only counted.
             warnings.warn(
-                f"Step {self.steps}: {step.nonfinite_examples - seen} example(s) had a non-finite (NaN/inf) "
+                f"Step {state.steps}: {step.nonfinite_examples - seen} example(s) had a non-finite (NaN/inf) "
                 "per-example gradient (a NaN/inf loss or input); each contributed zero to the step, which stays "
-                "private and finite. The running count is strategy.nonfinite_examples and the logged metric "
+                "private and finite. The running count is strategy.dp_state.nonfinite_examples and the logged metric "
                 f"'{NONFINITE_METRIC}' (raw, not private).",
                 stacklevel=2,
             )

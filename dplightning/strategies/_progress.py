@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from dplightning.protocols import AccountingSource, ReportsMetrics
+from dplightning.protocols import AccountingSource, ReportsMetrics, dp_state_of
 
 
 class _EpsilonProgress(Callback):
@@ -22,12 +22,12 @@ class _EpsilonProgress(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, AccountingSource) or not strategy.poisson_sampling or strategy.steps == 0:
+        state = dp_state_of(trainer.strategy)
+        if not isinstance(state, AccountingSource) or not state.poisson_sampling or state.steps == 0:
             return
         # logger=False without a logger: Lightning would otherwise warn on every step
         logger = bool(trainer.loggers)
-        eps = strategy.epsilon_bound()
+        eps = state.epsilon_bound()
         pl_module.log("epsilon", eps, on_step=True, on_epoch=False, prog_bar=True, logger=logger, rank_zero_only=True)
 
 
@@ -45,7 +45,7 @@ class _NonfiniteCount(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        count = getattr(trainer.strategy, "nonfinite_examples", 0)
+        count = getattr(dp_state_of(trainer.strategy), "nonfinite_examples", 0)
         if count:
             logger = bool(trainer.loggers)
             pl_module.log(NONFINITE_METRIC, float(count), on_step=True, on_epoch=False, logger=logger)
