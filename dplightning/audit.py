@@ -438,14 +438,15 @@ def _train_probe(
         with sabotaged(sabotage, sabotage_factor):
             trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=True))
     # SGD without momentum: w_{t+1} − w_t = lr · (clipped sum + noise) / (q·N), the public expected batch
-    expected_batch = float(strategy.expected_batch_size or 0.0)
+    state = strategy.dp_state
+    expected_batch = float(state.expected_batch_size or 0.0)
     updates = torch.stack(recorder.iterates).diff(dim=0) * expected_batch / (lr * max_grad_norm)
     return _ProbeRun(
         updates=updates,
         included=included,
-        sample_rate=float(strategy.sample_rate or 0.0),
-        claimed_epsilon=strategy.get_epsilon(delta),
-        steps=strategy.steps,
+        sample_rate=float(state.sample_rate or 0.0),
+        claimed_epsilon=state.get_epsilon(delta),
+        steps=state.steps,
     )
 
 

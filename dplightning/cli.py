@@ -30,7 +30,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import dplightning  # noqa: F401  (registers the strategy names before parsing)
-from dplightning.protocols import AccountingSource
+from dplightning.protocols import AccountingSource, dp_state_of
 
 
 class DPLightningCLI(LightningCLI):
@@ -44,13 +44,11 @@ class DPLightningCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.config.get(self.subcommand, {}).get("test_after_fit"):
             self.trainer.test(self.model, datamodule=self.datamodule, verbose=True)
-        strategy = self.trainer.strategy
-        if isinstance(strategy, AccountingSource) and strategy.steps:
-            eps = strategy.get_epsilon()
+        state = dp_state_of(self.trainer.strategy)
+        if isinstance(state, AccountingSource) and state.steps:
+            eps = state.get_epsilon()
             shown = "inf (no Poisson sampling)" if math.isinf(eps) else f"{eps:.4g}"
-            rank_zero_info(
-                f"Final privacy guarantee: (ε = {shown}, δ = {strategy.delta:.3g}) after {strategy.steps} steps."
-            )
+            rank_zero_info(f"Final privacy guarantee: (ε = {shown}, δ = {state.delta:.3g}) after {state.steps} steps.")
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> DPLightningCLI:

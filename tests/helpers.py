@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dplightning
+from dplightning.protocols import dp_state_of
 
 
 def make_dataset(n: int = 64, features: int = 6, classes: int = 3, seed: int = 0) -> TensorDataset:
@@ -72,7 +73,7 @@ class TinyModule(pl.LightningModule):
     def record(self, x: Tensor, y: Tensor) -> None:
         """Keep a batch trained on (on the CPU, where references run); not the coupling probe's replay."""
         trainer = self._trainer
-        if trainer is None or not getattr(trainer.strategy, "probing", False):
+        if trainer is None or not getattr(dp_state_of(trainer.strategy), "probing", False):
             self.batches.append((x.detach().cpu(), y.detach().cpu()))
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

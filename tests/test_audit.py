@@ -96,6 +96,7 @@ def test_sabotage_scales_the_noise_std_and_the_clipping_bound() -> None:
             pass
 
 
+@pytest.mark.filterwarnings(r"error:strategy\.\w+ is deprecated:DeprecationWarning")  # no alias read by the library
 def test_canary_updates_are_in_units_of_the_clipping_bound() -> None:
     # Without noise, a step's released sum in a canary's coordinate is exactly 1 (one clipped gradient of
     # norm C) if the canary was in the Poisson batch, else 0; a canary left out of the data set never moves.

@@ -67,7 +67,7 @@ def test_quickstart_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     cli = build_cli(["fit", "--config", str(QUICKSTART)])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, dplightning.DPStrategy)
-    assert strategy.steps == 40 * 5  # 40 epochs of ceil(1258 / 256) Poisson steps
+    assert strategy.dp_state.steps == 40 * 5  # 40 epochs of ceil(1258 / 256) Poisson steps
     assert strategy.get_epsilon() <= 3.0
     assert cli.trainer.callback_metrics["test_acc"] > 0.5  # chance is 0.1
 
@@ -84,6 +84,7 @@ def test_a_fit_hides_lightnings_leafspec_deprecation_and_nothing_else(
         warnings.warn_explicit(message, FutureWarning, "elsewhere.py", 1, module="elsewhere")
 
 
+@pytest.mark.filterwarnings(r"error:strategy\.\w+ is deprecated:DeprecationWarning")  # no alias read by the library
 def test_strategy_by_registered_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     cli = build_cli(
@@ -99,7 +100,7 @@ def test_strategy_by_registered_name(tmp_path: Path, monkeypatch: pytest.MonkeyP
             "false",
         ]
     )
-    assert isinstance(cli.trainer.strategy, dplightning.DPStrategy) and cli.trainer.strategy.steps == 5
+    assert isinstance(cli.trainer.strategy, dplightning.DPStrategy) and cli.trainer.strategy.dp_state.steps == 5
 
 
 @pytest.mark.e2e

@@ -76,10 +76,17 @@ def _state_alias(name: str) -> Any:
 
     The strategy used to forward each of these values itself; they now live on
     :class:`~dplightning.strategies.state.DPState`, and the alias keeps code that reads them on
-    the strategy working.
+    the strategy working. Each read warns with a ``DeprecationWarning`` attributed to the reading
+    line (``stacklevel=2``: the getter is one frame below it), so users find their own code.
     """
 
     def read(self: _DPHooks) -> Any:
+        warnings.warn(
+            f"strategy.{name} is deprecated; read strategy.dp_state.{name} "
+            "(or dplightning.protocols.dp_state_of(strategy)) instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return getattr(self.dp_state, name)
 
     summary = (getattr(DPState, name).__doc__ or "").strip().splitlines()[0]

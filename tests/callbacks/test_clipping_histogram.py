@@ -75,7 +75,7 @@ class LinearProbe(pl.LightningModule):
 
     def training_step(self, batch: tuple[Tensor], batch_idx: int) -> Tensor:
         (x,) = batch
-        if not self.trainer.strategy.probing:  # the coupling probe's replay is not a trained batch
+        if not self.trainer.strategy.dp_state.probing:  # the coupling probe's replay is not a trained batch
             self.seen.append(x.detach().clone())
         return self.w(x).mean()
 

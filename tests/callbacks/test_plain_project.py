@@ -32,7 +32,7 @@ def test_plain_module_gains_budget_histogram_and_tail_statistics(tmp_path) -> No
     )  # fmt: skip
     trainer.fit(PlainClassifier(), plain_loader(n=256, batch_size=4))  # q = 1/64
     strategy = trainer.strategy
-    assert 0 < strategy.steps <= 20 and budget.epsilon == strategy.get_epsilon() <= 3.0
+    assert 0 < strategy.dp_state.steps <= 20 and budget.epsilon == strategy.get_epsilon() <= 3.0
     assert tails.group_names == ["encoder", "head", "all"]  # default: the top-level modules
     header = next(csv.reader(open(f"{trainer.log_dir}/metrics.csv")))
     assert {"epsilon", "delta", "train_loss", "nonprivate/clip_fraction", "nonprivate/tail/head/p99"} <= set(header)

@@ -47,7 +47,7 @@ def test_stops_at_the_last_step_within_budget(k: int) -> None:
     budget = PrivacyBudget(target)
     trainer = _fit(budget, accumulate_grad_batches=k)
     strategy = trainer.strategy
-    assert strategy.steps == trainer.global_step == 5  # with accumulation too: each optimizer step counts once
+    assert strategy.dp_state.steps == trainer.global_step == 5  # with accumulation too: each optimizer step counts once
     assert budget.stopped_early and budget.last_allowed_step == 5
     assert budget.epsilon == strategy.get_epsilon() <= target < _epsilon(RDPAccountant, 1.0, Q, 6)
 
@@ -57,7 +57,7 @@ def test_exact_prv_epsilon_equals_the_strategys() -> None:
     target = _budget_allowing(6, PRVAccountant, sigma=1.0, delta=delta)
     budget = PrivacyBudget(target, delta=delta)
     trainer = _fit(budget, strategy=dp(noise_multiplier=1.0))
-    assert trainer.strategy.steps == 6
+    assert trainer.strategy.dp_state.steps == 6
     expected = _epsilon(PRVAccountant, 1.0, Q, 6, delta)
     assert budget.epsilon == trainer.strategy.get_epsilon(delta) == pytest.approx(expected, rel=1e-12)
 
@@ -66,7 +66,7 @@ def test_takes_no_step_if_the_first_would_exceed() -> None:
     module = TinyModule()
     with pytest.warns(UserWarning, match="no step is taken"):
         trainer = _fit(PrivacyBudget(_epsilon(RDPAccountant, 1.0, Q, 1) / 2), module)
-    assert trainer.strategy.steps == trainer.global_step == 0
+    assert trainer.strategy.dp_state.steps == trainer.global_step == 0
     assert module.batches == []
 
 
@@ -76,7 +76,8 @@ def test_resumed_run_stops_at_the_same_last_step(tmp_path) -> None:
     first.save_checkpoint(tmp_path / "two.ckpt")
     trainer = make_trainer(dp(noise_multiplier=1.0, accountant="rdp"), callbacks=[PrivacyBudget(target)], max_steps=50)
     trainer.fit(TinyModule(), loader(make_dataset(N), BATCH), ckpt_path=tmp_path / "two.ckpt")
-    assert trainer.strategy.steps == 5 and trainer.strategy.ledger.history == ((1.0, Q, 5),)
+    state = trainer.strategy.dp_state
+    assert state.steps == 5 and state.ledger.history == ((1.0, Q, 5),)
 
 
 def test_refuses_to_run_over_budget_when_the_trainer_cannot_stop() -> None:
@@ -90,9 +91,10 @@ def test_shows_epsilon_and_delta_instead_of_the_strategys_progress_callback() ->
     assert not any(isinstance(cb, _EpsilonProgress) for cb in trainer.callbacks)
     bound = strategy.epsilon_bound()
     assert bound >= strategy.get_epsilon() > 0
-    assert trainer.progress_bar_metrics == {progress_bar_key(strategy.delta): pytest.approx(bound, rel=1e-6)}  # fp32
+    delta = strategy.dp_state.delta
+    assert trainer.progress_bar_metrics == {progress_bar_key(delta): pytest.approx(bound, rel=1e-6)}  # fp32
     assert trainer.callback_metrics["epsilon"].item() == pytest.approx(bound, rel=1e-6)  # what loggers get
-    assert trainer.callback_metrics["delta"].item() == pytest.approx(strategy.delta, rel=1e-6)
+    assert trainer.callback_metrics["delta"].item() == pytest.approx(delta, rel=1e-6)
 
 
 def test_rejects_bad_arguments_and_missing_accounting() -> None:

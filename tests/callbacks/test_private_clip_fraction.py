@@ -29,7 +29,7 @@ def test_epsilon_is_that_of_one_gaussian_mechanism_with_sigma_eff(name: str, cls
     trainer = make_trainer(dp(noise_multiplier=sigma, accountant=name), callbacks=[PrivateClipFraction(sigma_b)],
                            max_steps=5)  # fmt: skip
     trainer.fit(TinyModule(), loader(make_dataset(N), BATCH))
-    strategy = trainer.strategy
+    strategy = trainer.strategy.dp_state
     assert strategy.noise_multiplier == sigma and strategy.noise_std == sigma * strategy.max_grad_norm
     assert strategy.ledger.history == ((pytest.approx(_sigma_eff(sigma, sigma_b), rel=1e-15), Q, 5),)
     reference = cls()
@@ -47,9 +47,10 @@ def test_target_epsilon_calibrates_sigma_eff_and_the_gradient_gets_the_rest() ->
     trainer.fit(TinyModule(), loader(make_dataset(N), BATCH))
     expected_eff = get_noise_multiplier(target_epsilon=1.0, target_delta=DELTA, sample_rate=Q, steps=steps,
                                         accountant="rdp", epsilon_tolerance=0.01)  # fmt: skip
-    assert strategy.accounted_noise_multiplier == pytest.approx(expected_eff, rel=1e-12)
-    assert _sigma_eff(strategy.noise_multiplier, sigma_b) == pytest.approx(expected_eff, rel=1e-12)
-    assert strategy.noise_multiplier > expected_eff
+    state = strategy.dp_state
+    assert state.accounted_noise_multiplier == pytest.approx(expected_eff, rel=1e-12)
+    assert _sigma_eff(state.noise_multiplier, sigma_b) == pytest.approx(expected_eff, rel=1e-12)
+    assert state.noise_multiplier > expected_eff
     assert 0.95 < strategy.get_epsilon() <= 1.0
 
 
@@ -71,7 +72,7 @@ def test_count_noise_is_one_draw_of_the_documented_stream_per_step() -> None:
         expected.append(stream.sample(torch.zeros((), dtype=torch.float64), sigma_b).item())
     assert noise.tolist() == pytest.approx(expected, abs=1e-12)
     logged = trainer.callback_metrics["private/clip_fraction"].item()
-    assert logged == pytest.approx(noise[-1] / trainer.strategy.expected_batch_size, rel=1e-6)
+    assert logged == pytest.approx(noise[-1] / trainer.strategy.dp_state.expected_batch_size, rel=1e-6)
 
 
 def test_rejects_a_count_noise_that_alone_exceeds_the_budget() -> None:
