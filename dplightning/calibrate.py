@@ -17,8 +17,8 @@ import argparse
 import json
 import math
 
-from dplightning.data.poisson import steps_per_epoch
 from dplightning.privacy.accounting import available_accountants, calibrate_noise_multiplier, compute_epsilon
+from dplightning.privacy.poisson import steps_per_epoch
 
 
 def _sampling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[float, int, float]:

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from dplightning.data.provenance import describe_privacy_unit
 from dplightning.modules._hf_module import CLASS_KEY, CONFIG_KEY, HFModule
 from dplightning.modules.hf import LoraSettings
 from dplightning.privacy.accounting import compute_epsilon
+from dplightning.privacy.provenance import describe_privacy_unit
 from dplightning.privacy.record import IncompletePrivacyRecord, NoPrivacyRecord, PrivacyRecord
 from dplightning.strategies.accounting import SEEDED_RISK, InconsistentLedger, check_ledger, mechanism_of
 from dplightning.strategies.correlated import NoiseMechanism

@@ -18,6 +18,9 @@ and function-level imports (run when the function is called, which some modules 
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -217,3 +220,50 @@ def test_the_checks_find_a_planted_cycle_and_a_planted_private_import() -> None:
     assert not edges_on_cycles(top)
     assert edges_on_cycles(_union(top, function), among=function) == {("b", "a")}
     assert private_imports(planted) == {("dplightning.c", "dplightning.a._hidden")}
+
+
+def _fresh_interpreter(code: str) -> str:
+    """What ``code`` prints in a fresh interpreter (nothing of dplightning imported yet)."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.mark.slow
+def test_importing_the_package_loads_no_datamodule() -> None:
+    """``import dplightning`` (the strategies) needs the sampler, not the data modules (issue 26: it loaded all)."""
+    loaded = _fresh_interpreter(
+        "import sys, dplightning; print(sorted(m for m in sys.modules if m.startswith('dplightning.data')))"
+    )
+    assert loaded == "[]"
+
+
+def test_nothing_under_privacy_imports_lightning(imports: list[Import]) -> None:
+    """``privacy/`` is the DP math without a Trainer: no module there imports Lightning, at any level."""
+    offenders = []
+    for path in sorted((PACKAGE_DIR / "privacy").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in {"lightning", "pytorch_lightning"}]
+    assert not offenders
+
+
+# (old path, new path, names): modules moved by issue 26 item 1; the old path re-exports the same objects.
+MOVED: list[tuple[str, str, list[str]]] = [
+    (
+        "dplightning.data.poisson",
+        "dplightning.privacy.poisson",
+        ["PoissonBatchSampler", "CyclicPoissonBatchSampler", "EmptySafeCollate", "steps_per_epoch"],
+    ),
+    ("dplightning.data.provenance", "dplightning.privacy.provenance", ["PrivacyUnit", "data_provenance"]),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "names"), MOVED, ids=[m[0] for m in MOVED])
+def test_an_old_path_still_gives_the_moved_objects(old: str, new: str, names: list[str]) -> None:
+    before, after = importlib.import_module(old), importlib.import_module(new)
+    for name in names:
+        assert getattr(before, name) is getattr(after, name), name
+    assert set(getattr(before, "__all__", [])) <= set(vars(after)), "the shim names something the new module lacks"

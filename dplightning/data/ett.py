@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from dplightning.data.provenance import PrivacyUnit
+from dplightning.privacy.provenance import PrivacyUnit
 
 Task = Literal["imputation", "forecasting"]
 HOURLY_MONTH = 30 * 24

@@ -28,8 +28,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from dplightning._state import known
-from dplightning.data.provenance import PrivacyUnit
 from dplightning.data.tokenizer import load_tokenizer, train_bpe
+from dplightning.privacy.provenance import PrivacyUnit
 
 TOKENIZER_PROVENANCE = "dplightning_provenance.json"
 """File beside a trained BPE that records what it was fitted on."""

@@ -46,14 +46,14 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplightning._state import known
-from dplightning.data.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible, loader_batch_size
-from dplightning.data.provenance import data_provenance
 from dplightning.privacy.accounting import PrivacyLedger
 from dplightning.privacy.correlated_noise import CorrelatedBucketNoise, marginal_std_factors
 from dplightning.privacy.grad_sample.validation import refuse_batch_mean_loss
 from dplightning.privacy.matrix_mechanism import Strategy as NoiseStrategy
 from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise, derive_seed
+from dplightning.privacy.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible, loader_batch_size
+from dplightning.privacy.provenance import data_provenance
 from dplightning.privacy.record import CHECKPOINT_KEY, PrivacyRecord
 from dplightning.protocols import CountsExamples, ShowsEpsilon
 from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount, _OptimizerMetrics
@@ -195,7 +195,7 @@ class _DPHooks(Strategy):
         Besides the accounting's part (:meth:`PrivacyAccounting.record`: the ledger, σ, q, δ, the
         exact ε at the run's δ now, the library versions) it holds what ``dplightning
         privacy-report`` shows of the run: the engine of every layer, the privacy unit (as the
-        data declares it, :mod:`dplightning.data.provenance`), what the data computed outside
+        data declares it, :mod:`dplightning.privacy.provenance`), what the data computed outside
         the DP steps and the world size.
         """
         record = self.accounting.record()

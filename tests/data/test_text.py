@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dplightning.data import E2EDataModule, SST2DataModule, TextFileDataModule
-from dplightning.data.poisson import EmptySafeCollate
 from dplightning.data.text import IGNORE, PadCollate
+from dplightning.privacy.poisson import EmptySafeCollate
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 WORDS = "the cheap pub near the river serves italian food with a view of the city centre".split()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dplightning.data.poisson import CyclicPoissonBatchSampler, cyclic_partitions
+from dplightning.privacy.poisson import CyclicPoissonBatchSampler, cyclic_partitions
 
 
 def test_partitions_split_the_data_into_near_equal_fixed_parts() -> None:

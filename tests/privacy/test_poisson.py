@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
+from transformers import BatchEncoding
 
-from dplightning.data.poisson import (
+from dplightning.privacy.poisson import (
     EmptySafeCollate,
     PoissonBatchSampler,
     PoissonDataLoader,
     batch_rows,
     check_poisson_compatible,
+    empty_like_batch,
     steps_per_epoch,
 )
 
@@ -125,3 +130,54 @@ def test_batch_rows_finds_the_first_tensor() -> None:
     assert batch_rows({"ids": torch.zeros(4, 7), "n": 3}) == 4
     assert batch_rows(["text", (torch.zeros(2),)]) == 2
     assert batch_rows("nothing") is None
+
+
+class _Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Batch:
+    ids: torch.Tensor
+    meta: dict
+    note: str = "kept"
+    seen: int = dataclasses.field(default=0, init=False)
+
+
+def _templates() -> list[object]:
+    t = torch.arange(12.0).reshape(3, 4)
+    return [
+        t,
+        {"a": t, "b": [t, (t, "s")], "n": 3},
+        collections.OrderedDict(x=t),
+        collections.defaultdict(list, {"x": t}),
+        _Pair(t, t[:, 0]),
+        [t, None, "text"],
+        (t, 1.5),
+        _Batch(t, {"m": t}),
+        BatchEncoding({"input_ids": t.long(), "attention_mask": t.bool()}),
+        "plain",
+    ]
+
+
+@pytest.mark.parametrize("template", _templates(), ids=lambda t: type(t).__name__)
+def test_empty_like_batch_walks_a_batch_as_lightning_did(template: object) -> None:
+    """The sampler moved under privacy/ without Lightning: its empty batch equals Lightning's apply_to_collection."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    ours = empty_like_batch(template)
+    theirs = apply_to_collection(template, torch.Tensor, lambda t: t[:0])
+    assert type(ours) is type(theirs)
+    assert repr(ours) == repr(theirs)
+    if isinstance(theirs, collections.defaultdict):
+        assert ours.default_factory is theirs.default_factory
+
+
+def test_empty_like_batch_refuses_a_frozen_dataclass() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        x: torch.Tensor
+
+    with pytest.raises(ValueError, match="frozen"):
+        empty_like_batch(Frozen(torch.zeros(2)))
