@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from dplightning.models.hf import LoraSettings
 from dplightning.modules._hf_module import CLASS_KEY, CONFIG_KEY, HFModule
-from dplightning.modules.hf import LoraSettings
 from dplightning.privacy.accounting import compute_epsilon
 from dplightning.privacy.provenance import describe_privacy_unit
 from dplightning.privacy.record import IncompletePrivacyRecord, NoPrivacyRecord, PrivacyRecord

@@ -11,7 +11,7 @@ import torch
 
 from dplightning.cli import main as cli_main
 from dplightning.export import SAFE_GLOBALS, load_checkpoint
-from dplightning.modules.hf import LoraSettings
+from dplightning.models.hf import LoraSettings
 from dplightning.report import load_report
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer
 

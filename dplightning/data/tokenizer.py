@@ -13,7 +13,7 @@ def load_tokenizer(name_or_path: str) -> Any:
     """A pretrained tokenizer (local folder, cache or hub); a pad token is added if it has none."""
     from transformers import AutoTokenizer
 
-    from dplightning.modules.hf import from_pretrained
+    from dplightning.models.hf import from_pretrained
 
     tokenizer = from_pretrained(AutoTokenizer, name_or_path)
     if tokenizer.pad_token is None:  # GPT-2 and Llama ship without one; padding positions carry no loss

@@ -1,4 +1,7 @@
-"""Plain ``nn.Module`` networks (no Lightning, no DP code)."""
+"""Plain ``nn.Module`` networks and the Hugging Face model builders (:mod:`dplightning.models.hf`).
+
+No Lightning, no DP code: the LightningModules that train these live in :mod:`dplightning.modules`.
+"""
 
 from dplightning.models.adaln import AdaLNFinalLayer, AdaLNZeroBlock, ModulationBounds
 from dplightning.models.dit_ts import TimeSeriesDiT

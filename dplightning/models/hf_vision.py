@@ -23,7 +23,7 @@ class HFImageClassifier(nn.Module):
     def __init__(self, config: Any) -> None:
         from transformers import AutoModelForImageClassification  # imported lazily: transformers is slow to import
 
-        from dplightning.modules.hf import build_config
+        from dplightning.models.hf import build_config
 
         super().__init__()
         self.model = AutoModelForImageClassification.from_config(build_config(config))

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
-from dplightning.modules.hf import LoraSettings, apply_lora, build_config, from_pretrained, lora_settings, max_positions
+from dplightning.models.hf import LoraSettings, apply_lora, build_config, from_pretrained, lora_settings, max_positions
 
 CLASS_KEY = "dplightning_hf_module"
 CONFIG_KEY = "dplightning_hf_config"

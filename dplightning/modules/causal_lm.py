@@ -12,8 +12,8 @@ from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 
 from dplightning.data.text import IGNORE
+from dplightning.models.hf import LoraSettings
 from dplightning.modules._hf_module import HFModule
-from dplightning.modules.hf import LoraSettings
 
 
 def per_example_token_mean(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

@@ -10,8 +10,8 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from dplightning.models.hf import LoraSettings
 from dplightning.modules._hf_module import HFModule
-from dplightning.modules.hf import LoraSettings
 
 Pooling = Literal["model", "mean"]
 # How each architecture's classification head takes a pooled vector (for ``pooling="mean"``):

@@ -254,7 +254,7 @@ def model_config(model_args: Mapping[str, Any]) -> tuple[Any, str]:
     """The ``transformers`` config of the module's model and where it came from."""
     from transformers import AutoConfig
 
-    from dplightning.modules.hf import build_config
+    from dplightning.models.hf import build_config
     from dplightning.planning.published import published_config
 
     extra = dict(model_args.get("model_kwargs") or {})
@@ -283,7 +283,7 @@ def meta_model(settings: Settings) -> tuple[Any, str]:
     import torch
     import transformers
 
-    from dplightning.modules.hf import apply_lora, lora_settings
+    from dplightning.models.hf import apply_lora, lora_settings
 
     classifier = settings.model_class.rsplit(".", 1)[-1] == "DPSequenceClassifier"
     config, source = model_config(settings.model_args)

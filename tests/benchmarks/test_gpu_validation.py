@@ -236,7 +236,7 @@ def test_grape_rows_at_gpu_sizes(gv: ModuleType) -> None:
 
     from engines import Placement
 
-    from dplightning.modules.hf import build_config
+    from dplightning.models.hf import build_config
     from dplightning.planning.memory import plan
 
     ctx = _context(gv, small=False)

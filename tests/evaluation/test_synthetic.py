@@ -13,8 +13,8 @@ from torch import nn
 
 from dplightning.data import DigitsDataModule
 from dplightning.data.synthetic import save_synthetic
-from dplightning.metrics import synthetic
-from dplightning.metrics.synthetic import (
+from dplightning.evaluation import synthetic
+from dplightning.evaluation.synthetic import (
     DEFAULT_STEPS,
     FID_LOCAL,
     LocalFeatures,
