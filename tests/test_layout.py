@@ -256,6 +256,7 @@ MOVED: list[tuple[str, str, list[str]]] = [
     ("dplightning.data.provenance", "dplightning.privacy.provenance", ["PrivacyUnit", "data_provenance"]),
     ("dplightning.modules.hf", "dplightning.models.hf", ["LoraSettings", "build_config", "from_pretrained"]),
     ("dplightning.metrics.synthetic", "dplightning.evaluation.synthetic", ["evaluate", "main", "LocalFeatures"]),
+    ("dplightning.strategies._progress", "dplightning.callbacks.progress", ["NONFINITE_METRIC", "EpsilonProgress"]),
 ]
 
 
@@ -265,6 +266,15 @@ def test_an_old_path_still_gives_the_moved_objects(old: str, new: str, names: li
     for name in names:
         assert getattr(before, name) is getattr(after, name), name
     assert set(getattr(before, "__all__", [])) <= set(vars(after)), "the shim names something the new module lacks"
+
+
+def test_the_progress_callbacks_keep_their_old_private_names() -> None:
+    from dplightning.callbacks import progress
+    from dplightning.strategies import _progress
+
+    assert _progress._EpsilonProgress is progress.EpsilonProgress
+    assert _progress._NonfiniteCount is progress.NonfiniteCount
+    assert _progress._OptimizerMetrics is progress.OptimizerMetrics
 
 
 @pytest.mark.slow

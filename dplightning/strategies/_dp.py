@@ -56,7 +56,6 @@ from dplightning.privacy.poisson import PoissonDataLoader, batch_rows, check_poi
 from dplightning.privacy.provenance import data_provenance
 from dplightning.privacy.record import CHECKPOINT_KEY, PrivacyRecord
 from dplightning.protocols import CountsExamples, ShowsEpsilon
-from dplightning.strategies._progress import NONFINITE_METRIC, _EpsilonProgress, _NonfiniteCount, _OptimizerMetrics
 from dplightning.strategies._trainer import trainer_callbacks
 from dplightning.strategies.accounting import PrivacyAccounting, mechanism_of
 from dplightning.strategies.checkpoint import DPCheckpointIO
@@ -370,12 +369,15 @@ class _DPHooks(Strategy):
         self._nonfinite_seen, self._warned_nonfinite = 0, False
         self._released_this_fit = 0
         self._restore_dp_state(trainer)
+        # Not at import: dplightning.callbacks loads the data package, which `import dplightning` does not need.
+        from dplightning.callbacks.progress import EpsilonProgress, NonfiniteCount, OptimizerMetrics
+
         if not any(isinstance(cb, ShowsEpsilon) and cb.shows_epsilon for cb in trainer_callbacks(trainer)):
-            trainer_callbacks(trainer).append(_EpsilonProgress())
-        if not any(isinstance(cb, _NonfiniteCount) for cb in trainer_callbacks(trainer)):
-            trainer_callbacks(trainer).append(_NonfiniteCount())
-        if not any(isinstance(cb, _OptimizerMetrics) for cb in trainer_callbacks(trainer)):
-            trainer_callbacks(trainer).append(_OptimizerMetrics())
+            trainer_callbacks(trainer).append(EpsilonProgress())
+        if not any(isinstance(cb, NonfiniteCount) for cb in trainer_callbacks(trainer)):
+            trainer_callbacks(trainer).append(NonfiniteCount())
+        if not any(isinstance(cb, OptimizerMetrics) for cb in trainer_callbacks(trainer)):
+            trainer_callbacks(trainer).append(OptimizerMetrics())
 
     def _check_correlated_fit(self, trainer: pl.Trainer) -> None:
         """Refuse what a correlated-noise run's accounting does not cover, before any step."""
@@ -686,6 +688,8 @@ class _DPHooks(Strategy):
         seen, self._nonfinite_seen = self._nonfinite_seen, step.nonfinite_examples
         if step.nonfinite_examples > seen and not self._warned_nonfinite:
             self._warned_nonfinite = True
+            from dplightning.callbacks.progress import NONFINITE_METRIC  # not at import, as above
+
             # Not rank_zero_warn: the rank that met the example says so. Later ones are only counted.
             warnings.warn(
                 f"Step {state.steps}: {step.nonfinite_examples - seen} example(s) had a non-finite (NaN/inf) "

@@ -1,62 +1,9 @@
-"""Shows ε in the progress bar and the logger while a DP strategy trains."""
+"""Moved to :mod:`dplightning.callbacks.progress` (issue 26), where the classes lost their underscore."""
 
-from __future__ import annotations
+from dplightning.callbacks.progress import NONFINITE_METRIC, EpsilonProgress, NonfiniteCount, OptimizerMetrics
 
-from typing import Any
+_EpsilonProgress = EpsilonProgress
+_NonfiniteCount = NonfiniteCount
+_OptimizerMetrics = OptimizerMetrics
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-
-from dplightning.protocols import AccountingSource, ReportsMetrics, dp_state_of
-
-
-class _EpsilonProgress(Callback):
-    """Logs ``epsilon`` (an upper bound, exact on a geometric grid of steps) every step.
-
-    Added automatically by the DP strategies unless a :class:`~dplightning.protocols.ShowsEpsilon`
-    callback (e.g. ``dplightning.callbacks.PrivacyBudget``) is present; reads only public values (the ledger).
-    """
-
-    shows_epsilon = True
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        state = dp_state_of(trainer.strategy)
-        if not isinstance(state, AccountingSource) or not state.poisson_sampling or state.steps == 0:
-            return
-        # logger=False without a logger: Lightning would otherwise warn on every step
-        logger = bool(trainer.loggers)
-        eps = state.epsilon_bound()
-        pl_module.log("epsilon", eps, on_step=True, on_epoch=False, prog_bar=True, logger=logger, rank_zero_only=True)
-
-
-NONFINITE_METRIC = "nonprivate/nonfinite_examples"
-"""Logged count of examples whose per-example gradient was not finite (raw, not private)."""
-
-
-class _NonfiniteCount(Callback):
-    """Logs :data:`NONFINITE_METRIC`, this rank's running count, once it is above zero (added by the strategies).
-
-    The count is a raw statistic of the training data (not noised): it sits under ``nonprivate/``
-    and must not be released with the model.
-    """
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        count = getattr(dp_state_of(trainer.strategy), "nonfinite_examples", 0)
-        if count:
-            logger = bool(trainer.loggers)
-            pl_module.log(NONFINITE_METRIC, float(count), on_step=True, on_epoch=False, logger=logger)
-
-
-class _OptimizerMetrics(Callback):
-    """Logs the optimizer's public diagnostics (:class:`~dplightning.protocols.ReportsMetrics`) every step."""
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        for optimizer in trainer.optimizers:
-            if isinstance(optimizer, ReportsMetrics) and (metrics := dict(optimizer.dp_metrics())):
-                pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=bool(trainer.loggers))
+__all__ = ["NONFINITE_METRIC", "EpsilonProgress", "NonfiniteCount", "OptimizerMetrics"]

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dplightning.callbacks import ClippingHistogram, GradientTailStats, PrivacyBudget, PrivateClipFraction
 from dplightning.callbacks.privacy_budget import progress_bar_key
+from dplightning.callbacks.progress import EpsilonProgress
 from dplightning.privacy.noise import GaussianNoise, derive_seed
-from dplightning.strategies._progress import _EpsilonProgress
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer, mlp, run_ddp
 
 N, BATCH = 256, 4  # q = 1/64: accountant calls are cheap at small q (about 0.1 s on CPU)
@@ -88,7 +88,7 @@ def test_refuses_to_run_over_budget_when_the_trainer_cannot_stop() -> None:
 def test_shows_epsilon_and_delta_instead_of_the_strategys_progress_callback() -> None:
     trainer = _fit(PrivacyBudget(100.0), max_steps=3)
     strategy = trainer.strategy
-    assert not any(isinstance(cb, _EpsilonProgress) for cb in trainer.callbacks)
+    assert not any(isinstance(cb, EpsilonProgress) for cb in trainer.callbacks)
     bound = strategy.epsilon_bound()
     assert bound >= strategy.get_epsilon() > 0
     delta = strategy.dp_state.delta

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, TensorDataset
 
 from dplightning.callbacks import PrivacyBudget
-from dplightning.strategies._progress import NONFINITE_METRIC
+from dplightning.callbacks.progress import NONFINITE_METRIC
 from dplightning.strategies.accounting import PrivacyAccounting
 from dplightning.strategies.config import DPConfig
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer, mlp, params_of
