@@ -100,6 +100,7 @@ from dplightning.data import DigitsDataModule
 from dplightning.models import SmallCNN
 from dplightning.modules import ImageClassifier
 from dplightning.privacy.matrix_mechanism import Workload, expected_error, identity_strategy
+from dplightning.strategies import DPState
 from dplightning.strategies.correlated import describe_workload, workload_of
 
 NAME = "correlated_digits_cpu"
@@ -171,23 +172,23 @@ class BatchRows(pl.Callback):
         self.rows.append(len(batch[1]))
 
 
-def strategy_error(strategy: DPStrategy, spec: ArmSpec, steps: int) -> dict[str, float]:
+def strategy_error(state: DPState, spec: ArmSpec, steps: int) -> dict[str, float]:
     """Expected error of the run's strategy matrix at its σ: RMSE of the prefix sums and of the momentum workload.
 
     DP-SGD's C is the identity. The participation is the one the arm's noise is calibrated for
     (one for DP-SGD and band_mf, every cyclic participation for BLT); the sensitivity this
-    gives must equal the strategy's own, which is checked here.
+    gives must equal the strategy's own (``state``: the run's ``strategy.dp_state``), which is checked here.
     """
-    matrix = strategy.noise_strategy if strategy.noise_strategy is not None else identity_strategy(steps)
+    matrix = state.noise_strategy if state.noise_strategy is not None else identity_strategy(steps)
     max_count = None if spec.participations == "all" else 1
-    sigma = float(strategy.noise_multiplier)
+    sigma = float(state.noise_multiplier)
     errors: dict[str, float] = {}
     for label, workload in (("prefix", Workload()), ("momentum", Workload(momentum=MOMENTUM))):
         report = expected_error(matrix, workload, sigma, spec.partitions, max_count)
-        if not math.isclose(report.sensitivity, strategy.noise_sensitivity, rel_tol=1e-9):
+        if not math.isclose(report.sensitivity, state.noise_sensitivity, rel_tol=1e-9):
             raise RuntimeError(
                 f"{spec.name}: expected_error's sensitivity {report.sensitivity} is not the strategy's "
-                f"{strategy.noise_sensitivity}: the RMSE would not be the run's"
+                f"{state.noise_sensitivity}: the RMSE would not be the run's"
             )
         errors |= {f"rmse_{label}": report.rmse, f"max_rmse_{label}": report.max_rmse,
                    f"rmse_{label}_per_sigma": report.rmse / sigma}  # fmt: skip
@@ -227,16 +228,16 @@ def run_arm(
             start = time.perf_counter()
             trainer.fit(model, datamodule=data)
             fit_seconds = time.perf_counter() - start
-    optimizer = trainer.optimizers[0]
+    optimizer, state = trainer.optimizers[0], strategy.dp_state
     return {
         **evaluate(model, getattr(data, SPLITS[split])),
-        "epsilon": strategy.get_epsilon(), "delta": strategy.delta, "sigma": strategy.noise_multiplier,
-        "target_epsilon": EPSILON, "accounted_sample_rate": strategy.ledger.history[0][1],
-        "compositions": strategy.ledger.steps, "steps": strategy.steps,
+        "epsilon": strategy.get_epsilon(), "delta": state.delta, "sigma": state.noise_multiplier,
+        "target_epsilon": EPSILON, "accounted_sample_rate": state.ledger.history[0][1],
+        "compositions": state.ledger.steps, "steps": state.steps,
         "planned_steps": strategy.accounting.planned_steps, "partitions": spec.partitions,
         "momentum_workload": float(workload_of(optimizer).momentum or 0.0),
         "mean_batch_rows": statistics.fmean(rows.rows), "fit_seconds": fit_seconds,
-        **strategy_error(strategy, spec, strategy.accounting.planned_steps),
+        **strategy_error(state, spec, strategy.accounting.planned_steps),
     }  # fmt: skip
 
 

@@ -188,8 +188,8 @@ def run_one(args: argparse.Namespace, task: str, arm: str, seed: int, dm: ETTDat
     result["probe_init"] = probe_before
     result["probe_final"] = summarize_probe(probe_norms(module, dm, args.probe_windows), args.max_grad_norm)
     if private:
-        result["epsilon"], result["delta"] = trainer.strategy.get_epsilon(), trainer.strategy.delta
-        result["sample_rate"] = trainer.strategy.sample_rate
+        result["epsilon"], result["delta"] = trainer.strategy.get_epsilon(), trainer.strategy.dp_state.delta
+        result["sample_rate"] = trainer.strategy.dp_state.sample_rate
         result["tails"] = [{"step": r.step, "examples": r.examples, "stats": r.stats} for r in tails.history]
         result["clip_fraction"] = [{"step": r.step, "value": r.clip_fraction} for r in clipping.history]
     if seed == args.seeds[0]:

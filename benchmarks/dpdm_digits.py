@@ -67,7 +67,7 @@ def run_dpdm(name: str, args, epsilon: float | None, k: int, batch_size: int, st
     t.fit(module, DigitsDataModule(batch_size=batch_size))
     train_s = time.perf_counter() - start
     eps = t.strategy.get_epsilon() if epsilon is not None else float("inf")
-    sigma = t.strategy.accounted_noise_multiplier if epsilon is not None else 0.0
+    sigma = t.strategy.dp_state.accounted_noise_multiplier if epsilon is not None else 0.0
     start = time.perf_counter()
     labels = balanced_labels(args.samples, 10)
     images = module.generate(labels, generator=torch.Generator().manual_seed(args.seed))

@@ -1103,7 +1103,7 @@ def run_dpdm_row(ctx: Context, sizes: dict[str, Any], limit_s: float) -> dict[st
         images = module.generate(labels, generator=torch.Generator().manual_seed(0))
         ctx.place.synchronize()
         arms[f"K={k}"] = {
-            "epsilon": strategy.get_epsilon(), "sigma": strategy.noise_multiplier, "fit_s": fit_s,
+            "epsilon": strategy.get_epsilon(), "sigma": strategy.dp_state.noise_multiplier, "fit_s": fit_s,
             "s_per_step": fit_s / steps, "sample_s": time.perf_counter() - start,
             "cnn_accuracy": dpdm_classifier(images, labels, test, sizes["clf_steps"]),
         }  # fmt: skip

@@ -50,10 +50,11 @@ def run_arm(
     fit_s = time.perf_counter() - start
     metrics = cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)[0]
     strategy = cli.trainer.strategy
+    state = strategy.dp_state
     opt = cli.trainer.optimizers[0]
     return {
         "arm": name, "seed": seed, "test_acc": float(metrics["test_acc"]), "epsilon": strategy.get_epsilon(),
-        "delta": strategy.delta, "noise_multiplier": strategy.noise_multiplier, "steps": strategy.steps,
+        "delta": state.delta, "noise_multiplier": state.noise_multiplier, "steps": state.steps,
         "lr": opt.param_groups[0]["lr"], "rank": getattr(opt, "rank", None), "fit_seconds": round(fit_s, 1),
         "vit_layers": cli.model.model.model.config.num_hidden_layers,
         "refresh_every": getattr(opt, "refresh_every", None), "projection_std": getattr(opt, "projection_std", None),

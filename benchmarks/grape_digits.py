@@ -247,14 +247,15 @@ def run_arm(
             cli.trainer.fit(cli.model, datamodule=cli.datamodule)
             fit_seconds = time.perf_counter() - start
     strategy, optimizer = cli.trainer.strategy, cli.trainer.optimizers[0]
+    state = strategy.dp_state
     metrics = {
         **evaluate(cli.model, getattr(cli.datamodule, SPLITS[split])),
-        "epsilon": strategy.get_epsilon(), "delta": strategy.delta, "sigma": strategy.noise_multiplier,
-        "max_grad_norm": strategy.dp_config.max_grad_norm, "steps": strategy.steps,
+        "epsilon": strategy.get_epsilon(), "delta": state.delta, "sigma": state.noise_multiplier,
+        "max_grad_norm": strategy.dp_config.max_grad_norm, "steps": state.steps,
         "mean_batch_rows": statistics.fmean(rows.rows), "fit_seconds": fit_seconds,
     }  # fmt: skip
     if isinstance(optimizer, DPGrape):
-        metrics |= grape_extras(optimizer, strategy.steps, cli.model)
+        metrics |= grape_extras(optimizer, state.steps, cli.model)
     return metrics
 
 

@@ -347,12 +347,13 @@ def train(run: Run, epsilon: float, seed: int, layers: set[int]) -> tuple[dict[s
         fit_s = time.perf_counter() - start
         test = cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)[0]
     strategy = cli.trainer.strategy
+    state = strategy.dp_state
     devs = [abs(r["diff_std_over_tau"] - 1) for r in recorder.steps if math.isfinite(r["diff_std_over_tau"])]
     record = {
         "name": run.name, "form": run.form, "optimizer_init_args": init, "ns_kwargs": recorder.ns_kwargs,
-        "expected_batch": run.batch, "sample_rate": strategy.sample_rate, "steps": strategy.steps,
-        "checkpoints": list(run.checkpoints), "noise_multiplier": strategy.noise_multiplier,
-        "epsilon": strategy.get_epsilon(), "delta": strategy.delta, "test_acc": float(test["test_acc"]),
+        "expected_batch": run.batch, "sample_rate": state.sample_rate, "steps": state.steps,
+        "checkpoints": list(run.checkpoints), "noise_multiplier": state.noise_multiplier,
+        "epsilon": strategy.get_epsilon(), "delta": state.delta, "test_acc": float(test["test_acc"]),
         "fit_seconds": round(fit_s, 1),
         "replay_check": {"max_abs_dev_std_over_tau": max(devs) if devs else None,
                          "max_tau_optimizer_rel_err": max(r["tau_optimizer_rel_err"] for r in recorder.steps)},

@@ -197,10 +197,11 @@ def run_arm(
             cli.trainer.fit(cli.model, datamodule=cli.datamodule)
             fit_seconds = time.perf_counter() - start
     strategy, optimizer = cli.trainer.strategy, cli.trainer.optimizers[0]
+    state = strategy.dp_state
     metrics = {
         "accuracy": accuracy(cli.model, getattr(cli.datamodule, SPLITS[split])),
-        "epsilon": strategy.get_epsilon(), "delta": strategy.delta, "sigma": strategy.noise_multiplier,
-        "steps": strategy.steps, "mean_batch_rows": statistics.fmean(stats.rows), "fit_seconds": fit_seconds,
+        "epsilon": strategy.get_epsilon(), "delta": state.delta, "sigma": state.noise_multiplier,
+        "steps": state.steps, "mean_batch_rows": statistics.fmean(stats.rows), "fit_seconds": fit_seconds,
     }  # fmt: skip
     if spec.muon:
         if len(stats.ratios) < 2:

@@ -135,6 +135,7 @@ def run_one(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     fit_wall, fit_cpu = time.perf_counter() - wall, time.process_time() - cpu
     strategy = cli.trainer.strategy
+    state = strategy.dp_state
     cli.trainer.callbacks.remove(curve)  # the test pass below is not a point of the val curve
     cli.datamodule.setup("test")
     test = cli.trainer.validate(cli.model, dataloaders=cli.datamodule.test_dataloader(), verbose=False)[0]
@@ -143,11 +144,11 @@ def run_one(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "arm": arm,
         "seed": seed,
-        "steps": strategy.steps,
+        "steps": state.steps,
         "epsilon": strategy.get_epsilon(),
-        "delta": strategy.delta,
-        "sigma": strategy.noise_multiplier,
-        "sample_rate": strategy.sample_rate,
+        "delta": state.delta,
+        "sigma": state.noise_multiplier,
+        "sample_rate": state.sample_rate,
         "curve": curve.points,
         "test_token_nll": test["val_token_loss"],
         "test_example_nll": test["val_loss"],

@@ -386,10 +386,11 @@ def run_arm(
         dm.setup("test")  # SST2DataModule's test split: the run's dev.tsv, encoded as for validation
         scores = accuracy(cli.model, dm.splits["test"], dm.tokenizer.pad_token_id, dm.eval_batch_size)
     strategy, optimizer = cli.trainer.strategy, cli.trainer.optimizers[0]
+    state = strategy.dp_state
     metrics = {
         **scores, "eval_rows": len(dm.splits["test"]), "train_rows": len(dm.splits["train"]),
-        "epsilon": strategy.get_epsilon(), "delta": strategy.delta, "sigma": strategy.noise_multiplier,
-        "steps": strategy.steps, "mean_batch_rows": statistics.fmean(stats.rows), "fit_seconds": fit_seconds,
+        "epsilon": strategy.get_epsilon(), "delta": state.delta, "sigma": state.noise_multiplier,
+        "steps": state.steps, "mean_batch_rows": statistics.fmean(stats.rows), "fit_seconds": fit_seconds,
         "step_seconds_mean": statistics.fmean(stats.seconds),
         "step_cpu_seconds_mean": statistics.fmean(stats.cpu_seconds),
     }  # fmt: skip
@@ -405,7 +406,7 @@ def run_arm(
     if spec.optimizer == DPGRAPE:
         from grape_digits import grape_extras
 
-        metrics |= grape_extras(optimizer, strategy.steps, cli.model)
+        metrics |= grape_extras(optimizer, state.steps, cli.model)
     return metrics
 
 
