@@ -6,8 +6,8 @@ An experiment compares *arms* (e.g. DP-Adam and DP-Muon), each a callable
 1. **Selection.** Every grid point of every arm runs on ``split="val"`` (rows carved from
    the *training* data, see :func:`validation_split`) for each tuning seed; each arm keeps the
    grid point with the best mean over the tuning seeds. The test split is never passed here.
-   An arm with a one-point grid (fixed before the experiment, e.g. selected by another
-   pre-registered experiment) makes no selection run, and the outputs say so.
+   An arm declared ``fixed`` (one grid point chosen before the experiment, e.g. by another
+   pre-registered experiment) makes no selection run, and the outputs give the reason.
 2. **Final runs.** The pre-registered criteria are stored in the record before the first
    final run; then every arm runs at its selected hyperparameters on ``split="test"`` for the
    same ``>= 5`` final seeds. Runs are *paired*: seed ``s`` must give every arm the same Poisson
@@ -96,11 +96,19 @@ class Arm:
             split; with ``split="test"`` on the test split. ``seed`` must fix the Poisson
             sampling and the noise, identically for every arm.
         grid: Hyperparameter points (JSON-serialisable mappings), fixed before any run.
+        fixed: Why the arm's one grid point was fixed before the experiment (e.g. "selected by
+            the pre-registered experiment X"): such an arm makes no selection run, and the
+            outputs give the reason. ``None`` (the default): the grid is tuned, even a one-point grid.
     """
 
     name: str
     run: RunFn
     grid: Sequence[Mapping[str, Any]]
+    fixed: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.fixed is not None and (not self.fixed or len(self.grid) != 1):
+            raise ProtocolError(f"arm {self.name!r}: fixed= needs a reason and exactly one grid point")
 
 
 @dataclass(frozen=True)
@@ -311,9 +319,8 @@ def run_experiment(
         run_all([(arm, phase, hparams, seed)])
         return done[_key(phase, arm.name, hparams, seed)]["metrics"]
 
-    # An arm with one grid point has nothing to select: its point was fixed before the experiment, and no
-    # selection run is made for it (the outputs say so).
-    run_all([(a, SELECT, h, s) for a in experiment.arms if len(a.grid) > 1 for h in a.grid
+    # A fixed arm's one point was chosen before the experiment: no selection run (the outputs say why).
+    run_all([(a, SELECT, h, s) for a in experiment.arms if a.fixed is None for h in a.grid
              for s in experiment.tuning_seeds])  # fmt: skip
     record["selection"] = _select(experiment, run_once)
     _start_final(experiment, record, out)
@@ -465,9 +472,9 @@ def _select(experiment: Experiment, run_once: Callable[..., dict[str, float]]) -
     selection = {}
     sign = 1.0 if experiment.higher_is_better else -1.0
     for arm in experiment.arms:
-        if len(arm.grid) == 1:
+        if arm.fixed is not None:
             selection[arm.name] = {"hparams": dict(arm.grid[0]), "val_mean": None, "grid": [], "at_grid_edge": False,
-                                   "fixed": True}  # fmt: skip
+                                   "fixed": arm.fixed}  # fmt: skip
             continue
         scores = []
         for hparams in arm.grid:
@@ -587,9 +594,10 @@ def _write_markdown(path: Path, record: Mapping[str, Any]) -> None:
     lines += ["", "## Selection (validation split, never the test split; mean over tuning seeds "
               f"{identity['tuning_seeds']})", "",
               f"| arm | hyperparameters | val {metric} | selected |", "|---|---|---|---|"]  # fmt: skip
-    fixed = [f"{name} ({_hp(sel['hparams'])})" for name, sel in record["selection"].items() if sel.get("fixed")]
-    if fixed:
-        lines += ["", f"One grid point, fixed before the experiment, so no selection run: {', '.join(fixed)}."]
+    for name, sel in record["selection"].items():
+        if sel.get("fixed"):
+            reason = sel["fixed"] if isinstance(sel["fixed"], str) else "fixed before the experiment"
+            lines += ["", f"{name} ({_hp(sel['hparams'])}): no selection run, {reason}."]
     for name, sel in record["selection"].items():
         for s in sel["grid"]:
             chosen = ("yes (grid edge)" if sel.get("at_grid_edge") else "yes") if s["hparams"] == sel["hparams"] else ""

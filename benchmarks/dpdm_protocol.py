@@ -201,7 +201,8 @@ def fit(module: pl.LightningModule, data: str, epsilon: float, seed: int, steps:
         seconds = time.perf_counter() - start
     if isinstance(strategy, str):  # ε = ∞ is in the record's settings (a metric of inf has no sd)
         return {"sigma": 0.0, "fit_seconds": seconds}
-    return {"epsilon": strategy.get_epsilon(), "delta": strategy.dp_state.delta, "sigma": strategy.dp_state.noise_multiplier,
+    state = strategy.dp_state
+    return {"epsilon": strategy.get_epsilon(), "delta": state.delta, "sigma": state.noise_multiplier,
             "fit_seconds": seconds}  # fmt: skip
 
 
@@ -274,7 +275,12 @@ def e2(data: str, budget: Budget, epsilon: float, dpdm_lr: float) -> Experiment:
     """E2 at one ε: DPDM (E1's selected lr for K = 4) against a DP-SGD classifier tuned on validation accuracy."""
     lrs = DPSGD_LRS["nonprivate" if math.isinf(epsilon) else "private"]
     arms = [
-        Arm(DPDM, functools.partial(run_dpdm, data, epsilon, E2_K, budget), [{"lr": dpdm_lr}]),
+        Arm(
+            DPDM,
+            functools.partial(run_dpdm, data, epsilon, E2_K, budget),
+            [{"lr": dpdm_lr}],
+            fixed="E1's selected lr for K=4 (validation held-out loss at eps 10), not retuned per eps",
+        ),
         Arm(DP_SGD, functools.partial(run_dpsgd, data, epsilon, budget), [{"lr": lr} for lr in lrs]),
     ]
     return Experiment(

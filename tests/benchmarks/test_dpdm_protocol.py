@@ -109,6 +109,7 @@ def test_regime_sigma_is_the_smallest_that_meets_epsilon_and_the_ratio_follows(m
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(900)  # 14 short trainings, LocalFeatures and the classifiers: minutes on a shared CPU
 def test_e1_smoke_run_goes_through_the_protocol(tmp_path: Path) -> None:
     out = tmp_path / "s"
     proc = subprocess.run(

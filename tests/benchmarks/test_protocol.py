@@ -345,17 +345,32 @@ def test_an_experiment_states_its_own_pairing(proto: ModuleType, tmp_path: Path)
     assert proto.PAIRING not in text
 
 
-def test_a_one_point_grid_makes_no_selection_run_and_says_so(proto: ModuleType, tmp_path: Path) -> None:
+def test_a_fixed_arm_makes_no_selection_run_and_says_why(proto: ModuleType, tmp_path: Path) -> None:
     calls: list = []
+    why = "selected by experiment X"
     arms = [
         proto.Arm("A", arm_fn(0.1, 0.01, calls, "A"), GRID),
-        proto.Arm("B", arm_fn(0.0, 0.01, calls, "B"), GRID[1:2]),
+        proto.Arm("B", arm_fn(0.0, 0.01, calls, "B"), GRID[1:2], fixed=why),
     ]
     exp = proto.Experiment(name="fixed", arms=arms, metric="accuracy", criteria=[proto.Criterion("A", "B")])
     record = run(proto, exp, tmp_path)
     assert not [c for c in calls if c[0] == "B" and c[3] == "val"]
     assert len([c for c in calls if c[0] == "A" and c[3] == "val"]) == len(GRID)
     assert record["selection"]["B"] == {"hparams": GRID[1], "val_mean": None, "grid": [], "at_grid_edge": False,
-                                        "fixed": True}  # fmt: skip
+                                        "fixed": why}  # fmt: skip
     assert [c[2] for c in calls if c[0] == "B"] == list(exp.final_seeds)
-    assert "no selection run: B (lr=0.01)" in (tmp_path / "fixed.md").read_text()
+    assert f"B (lr=0.01): no selection run, {why}." in (tmp_path / "fixed.md").read_text()
+
+
+def test_a_one_point_grid_is_still_tuned_unless_fixed(proto: ModuleType, tmp_path: Path) -> None:
+    calls: list = []
+    arms = [
+        proto.Arm("A", arm_fn(0.1, 0.01, calls, "A"), GRID[1:2]),
+        proto.Arm("B", arm_fn(0.0, 0.01, calls, "B"), GRID),
+    ]
+    record = run(proto, proto.Experiment(name="one", arms=arms, metric="accuracy", criteria=[]), tmp_path)
+    assert [c for c in calls if c[0] == "A" and c[3] == "val"] and record["selection"]["A"]["grid"]
+    with pytest.raises(proto.ProtocolError, match="fixed= needs"):
+        proto.Arm("C", arm_fn(0.0, 0.01, calls, "C"), GRID[1:2], fixed="")
+    with pytest.raises(proto.ProtocolError, match="exactly one grid point"):
+        proto.Arm("C", arm_fn(0.0, 0.01, calls, "C"), GRID, fixed="why")
