@@ -407,8 +407,8 @@ class LocalFeatures(nn.Module):
         hold-out evaluation per epoch), not the downstream protocol; its hold-out is now stratified,
         so its FIDs are close to, not identical with, those of earlier versions.
         """
+        torch.manual_seed(seed)  # before the network is built: its initial weights are part of what seed fixes
         net = cls(tuple(images.shape[1:]), **kwargs)
-        torch.manual_seed(seed)
         n_train = len(images) - max(1, round(DEFAULT_HOLDOUT * len(images)))
         per_epoch = math.ceil(max(n_train, 1) / DEFAULT_BATCH_SIZE)
         protocol = Protocol(steps=epochs * per_epoch, lr=1e-3, schedule="constant", evaluations=epochs)

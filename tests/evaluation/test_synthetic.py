@@ -253,3 +253,15 @@ def test_inception_fid_feeds_gray_images_as_three_channels_or_names_what_is_miss
     monkeypatch.setattr(synthetic, "inception_features", lambda: stand_in)
     assert frechet_distance(x[:200], xt[:200], "inception") >= 0
     assert set(seen) == {(3, 8, 8)}  # 1-channel digits expanded to RGB, as Inception needs
+
+
+def test_local_features_depend_on_the_seed_only_not_on_the_global_rng() -> None:
+    x, y = torch.rand(60, 1, 8, 8), torch.arange(60) % 10
+    fits = []
+    for state in (1, 2):
+        torch.manual_seed(state)  # whatever ran before in this process
+        torch.rand(state * 7)
+        fits.append(LocalFeatures.fit(x, y, epochs=1, seed=0))
+    probe = torch.rand(5, 1, 8, 8)
+    assert torch.equal(fits[0](probe), fits[1](probe))
+    assert not torch.equal(fits[0](probe), LocalFeatures.fit(x, y, epochs=1, seed=1)(probe))
