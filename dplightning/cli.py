@@ -86,11 +86,11 @@ def _quiet_lightning_pytree() -> None:
 
 
 COMMANDS: dict[str, str] = {
-    "export": "dplightning.export",
-    "memory-plan": "dplightning.planning.memory",
-    "privacy-report": "dplightning.report",
-    "audit": "dplightning.audit",
-    "calibrate": "dplightning.calibrate",
+    "export": "dplightning.commands.export",
+    "memory-plan": "dplightning.commands.memory_plan",
+    "privacy-report": "dplightning.commands.report",
+    "audit": "dplightning.commands.audit",
+    "calibrate": "dplightning.commands.calibrate",
 }
 """Commands of their own (module with a ``main(argv) -> int``); everything else is LightningCLI's."""
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-from dplightning.audit import (
+from dplightning.cli import main as cli_main
+from dplightning.commands.audit import (
     _train_probe,
     audit,
     epsilon_lower_bound,
@@ -19,7 +20,6 @@ from dplightning.audit import (
     one_run_p_value,
     sabotaged,
 )
-from dplightning.cli import main as cli_main
 from dplightning.privacy import mechanism
 from dplightning.privacy.clipping import clip_factors
 from dplightning.privacy.noise import GaussianNoise

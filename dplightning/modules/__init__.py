@@ -1,9 +1,24 @@
-"""LightningModules shipped with dplightning (they contain no DP code themselves)."""
+"""LightningModules shipped with dplightning (they contain no DP code themselves).
 
+:class:`HFModule` (the base of the Hugging Face task modules) and the checkpoint keys it writes are public here, for
+``dplightning export``, which rebuilds a module from them.
+"""
+
+from dplightning.modules._hf_module import CLASS_KEY, CONFIG_KEY, TOKENIZER_KEY, HFModule
 from dplightning.modules.causal_lm import DPCausalLM
 from dplightning.modules.classifier import ImageClassifier
 from dplightning.modules.diffusion import DPDiffusion
 from dplightning.modules.sequence_classifier import DPSequenceClassifier
 from dplightning.modules.timeseries_diffusion import DPTimeSeriesDiffusion
 
-__all__ = ["DPCausalLM", "DPDiffusion", "DPSequenceClassifier", "DPTimeSeriesDiffusion", "ImageClassifier"]
+__all__ = [
+    "CLASS_KEY",
+    "CONFIG_KEY",
+    "TOKENIZER_KEY",
+    "DPCausalLM",
+    "DPDiffusion",
+    "DPSequenceClassifier",
+    "DPTimeSeriesDiffusion",
+    "HFModule",
+    "ImageClassifier",
+]

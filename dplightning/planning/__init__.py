@@ -1,4 +1,5 @@
 """Planning tools that read a training config and predict what a run needs, without running it.
 
-:mod:`dplightning.planning.memory` (``dplightning memory-plan``): the per-GPU memory of a DP step.
+:mod:`dplightning.planning.memory`: the per-GPU memory of a DP step (its command is
+:mod:`dplightning.commands.memory_plan`, ``dplightning memory-plan``).
 """
