@@ -286,7 +286,6 @@ MOVED: list[tuple[str, str, list[str]]] = [
     ("dplightning.report", "dplightning.commands.report", ["privacy_report", "format_report", "main"]),
     ("dplightning.audit", "dplightning.commands.audit", ["audit", "epsilon_lower_bound", "sabotaged", "main"]),
     ("dplightning.calibrate", "dplightning.commands.calibrate", ["main"]),
-    ("dplightning.planning.memory", "dplightning.commands.memory_plan", ["main"]),
 ]
 
 
@@ -346,6 +345,26 @@ def test_the_cli_runs_every_command_from_the_commands_package() -> None:
 
     assert all(module.startswith("dplightning.commands.") for module in COMMANDS.values()), COMMANDS
     assert all(callable(importlib.import_module(module).main) for module in COMMANDS.values())
+
+
+# Every name ``dplightning.planning.memory`` had as one module (issue 26 item 1f split it into a package by concern).
+PLANNER_NAMES = """
+Component DEFAULT_SIGMAS Dims GB Layer MemoryPlan PHASES Phase Precision Projected ROLES Saved Settings Survey
+activation_bytes assemble clipping_transient dims_of dp_defaults engine_store formed_roles forms_slot
+grape_projections header hooked_layers layer_tensors load_configs merge_configs meta_model model_config
+optimizer_states parse_memory physical_batch plan precision_of settings_of suggestion survey table
+trained_roles main
+""".split()
+
+
+def test_the_split_planner_keeps_every_name_and_its_command_entry() -> None:
+    from dplightning.commands import memory_plan
+    from dplightning.planning import memory
+
+    missing = [name for name in PLANNER_NAMES if not hasattr(memory, name)]
+    assert not missing, f"dplightning.planning.memory lost {missing}"
+    assert memory.main is memory_plan.main
+    assert set(memory.__all__) == set(PLANNER_NAMES) - {"main"}
 
 
 @pytest.mark.slow
