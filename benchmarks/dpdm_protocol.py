@@ -309,7 +309,7 @@ def judge_e1(record: Mapping[str, Any]) -> dict[str, Any]:
     loss_wins = sum(final["K=4", s]["heldout_loss"] < final["K=1", s]["heldout_loss"] for s in seeds)
     gains = [final["K=4", s]["accuracy"] - final["K=1", s]["accuracy"] for s in seeds]
     se = statistics.stdev(gains) / math.sqrt(len(gains))
-    passed = loss_wins >= 4 and statistics.fmean(gains) > 2 * se
+    passed = bool(loss_wins >= 4 and statistics.fmean(gains) > 2 * se)
     return {
         "claim": E1_CLAIM, "heldout_loss_wins_of_K4": loss_wins, "seeds": len(seeds),
         "cnn_gain": paired_interval(gains), "cnn_gain_se": se, "passed": passed,
@@ -328,15 +328,15 @@ def judge_e2(records: Mapping[float, Mapping[str, Any]], ceiling: Mapping[str, f
         gaps[eps] = [final[DP_SGD, s] - final[DPDM, s] for s in seeds]
     means = [statistics.fmean(gaps[e]) for e in E2_EPSILONS]
     shrink = paired_interval([a - b for a, b in zip(gaps[E2_EPSILONS[0]], gaps[math.inf])])
-    monotone = all(a >= b for a, b in zip(means, means[1:]))
+    monotone = bool(all(a >= b for a, b in zip(means, means[1:])))
     nonprivate = records[math.inf]["arms"][DPDM]["metrics"]["accuracy"]["mean"]
     gap10 = statistics.fmean(gaps[10.0])
     return {
         "gap_per_epsilon": {f"{e:g}": paired_interval(gaps[e]) for e in E2_EPSILONS},
         "E2a": {"claim": E2_CLAIMS["E2a"], "means_non_increasing": monotone, "gap1_minus_gapinf": shrink,
-                "passed": monotone and shrink["low"] > 0},  # fmt: skip
+                "passed": bool(monotone and shrink["low"] > 0)},  # fmt: skip
         "E2b": {"claim": E2_CLAIMS["E2b"], "nonprivate_dpdm_cnn": nonprivate, "ceiling_cnn": ceiling["cnn"],
-                "passed": nonprivate >= ceiling["cnn"] - CEILING_MARGIN},  # fmt: skip
+                "passed": bool(nonprivate >= ceiling["cnn"] - CEILING_MARGIN)},  # fmt: skip
         "E2c": {"claim": E2_CLAIMS["E2c"], "gap_at_10": gap10,
                 "verdict": "not reproducible at this budget" if gap10 > GAP_LIMIT else "within the limit"},
         "ceiling": dict(ceiling),
