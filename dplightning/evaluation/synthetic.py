@@ -150,6 +150,7 @@ def stratified_holdout(labels: Tensor, share: float, generator: torch.Generator)
     Stratified so that a few hundred images still hold out every class in proportion; a class
     with a single image stays in training.
     """
+    labels = labels.cpu()  # indices live on the CPU (the generator's device); they index GPU tensors as well
     order = torch.randperm(len(labels), generator=generator)
     hold = []
     for c in labels.unique().tolist():

@@ -164,7 +164,7 @@ SKIP: list[tuple[str, str]] = [
     (r"python examples/", "a training run (about 30 s)"),
     (r"(torchrun|sbatch) ", "cluster launchers: tests/integration/test_launchers.py and test_cluster_overlay.py"),
     (r"dplightning export --ckpt lightning_logs/", "needs the checkpoint of the fit above it"),
-    (r"python -m dplightning\.metrics\.synthetic ", "needs the synthetic set of the predict above it"),
+    (r"python -m dplightning\.(metrics|evaluation)\.synthetic ", "needs the synthetic set of the predict above it"),
     (r"MALLOC_\S+ MALLOC_\S+ dplightning fit --config \.\.\.", "a placeholder for any config"),
 ]
 
