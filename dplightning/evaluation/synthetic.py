@@ -34,6 +34,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -477,12 +478,13 @@ def load_real(data: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], 
     else:
         dm, name = IDXImageDataModule(data), f"IDX folder {data}"
     dm.setup("fit")
+    return dataset_tensors(dm.train_set), dataset_tensors(dm.test_set), name
 
-    def stack(ds) -> tuple[Tensor, Tensor]:
-        xs, ys = zip(*[ds[i] for i in range(len(ds))])
-        return torch.stack(xs), torch.as_tensor(ys)
 
-    return stack(dm.train_set), stack(dm.test_set), name
+def dataset_tensors(dataset: Any) -> tuple[Tensor, Tensor]:
+    """All of an image data set's ``(image, label)`` items as ``(images [N, C, H, W], labels [N])`` tensors."""
+    xs, ys = zip(*[dataset[i] for i in range(len(dataset))])
+    return torch.stack(xs), torch.as_tensor(ys)
 
 
 def evaluate(
