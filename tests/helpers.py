@@ -223,4 +223,8 @@ _DP_ARGS = {
     "poisson_sampling",
     "timeout",
     "clipping_engine",
+    "noise_mechanism",
+    "bands",
+    "blt_buffers",
+    "cyclic_partitions",
 }

@@ -134,16 +134,21 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
 
 def cyclic_partitions(num_samples: int, partitions: int, seed: int) -> list[Tensor]:
-    """The data split into ``partitions`` fixed parts by a public permutation seeded by ``seed``.
+    """The data split into ``partitions`` fixed parts: each example's part drawn independently and uniformly.
 
-    Part p holds the examples at positions p, p + partitions, ... of the permutation, so the
-    sizes differ by at most one. The split is public (it does not depend on the data); the
-    Poisson draws within a part are not.
+    Independent draws, not an equal split, keep the privacy unit add-or-remove one example:
+    removing an example leaves the others' parts i.i.d. uniform as before, whereas an equal
+    split of N - 1 examples is distributed differently from the other N - 1 examples' parts
+    in an equal split of N (with N = 2 and two parts, two examples never share a part; alone,
+    the remaining one always takes part 0). ``seed`` must stay secret for the same reason: a
+    known split keyed by position moves every later example's part when one is removed. The
+    split does not depend on the data; part sizes are Binomial(N, 1/partitions), as in
+    JAX-Privacy's independent partitions.
     """
     if not 1 <= partitions <= num_samples:
         raise ValueError(f"Need 1 <= partitions <= N, got {partitions} partitions of {num_samples} examples.")
-    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed))
-    return [order[p::partitions] for p in range(partitions)]
+    owner = torch.randint(partitions, (num_samples,), generator=torch.Generator().manual_seed(seed))
+    return [torch.nonzero(owner == p).flatten() for p in range(partitions)]
 
 
 class CyclicPoissonBatchSampler(PoissonBatchSampler):
@@ -162,7 +167,7 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         num_samples: Size N of the whole training set.
         sample_rate: Inclusion probability q within the sampled part.
         partitions: Number of parts (the minimum separation of one example's participations).
-        partition_seed: Public seed of the split; identical on every rank.
+        partition_seed: Secret seed of the split; identical on every rank.
         micro_batches: Physical batches per logical step.
         rank: This process' rank.
         world_size: Number of processes.

@@ -117,7 +117,7 @@ class _DPHooks(Strategy):
         self._warned_nonfinite = False
         self._nonfinite_seen = 0  # the count at the last release (examples are counted when clipped)
         self._released_this_fit = 0  # the coupling probe runs on the first steps of every fit
-        self._partition_seed: int | None = None  # public seed of the cyclic sampler's split, one per run
+        self._partition_seed: int | None = None  # secret seed of the cyclic sampler's split, one per run
 
     # ------------------------------------------------------------------ public API
 
@@ -507,7 +507,7 @@ class _DPHooks(Strategy):
                 f"{logical}: lower the batch size or cyclic_partitions (at most N / expected batch = "
                 f"{n // logical})."
             )
-        if self._partition_seed is None:  # public randomness, the same on every rank and for every reload
+        if self._partition_seed is None:  # secret (never saved), the same on every rank and for every reload
             local = derive_seed(self.dp_config.seed, "partitions") if self.dp_config.seed is not None else None
             self._partition_seed = int(self.broadcast(local if local is not None else secrets.randbits(63)))
         self._check_same_on_every_rank(dataloader, partitions=partitions, partition_seed=self._partition_seed)

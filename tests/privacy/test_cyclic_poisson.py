@@ -1,4 +1,4 @@
-"""Cyclic Poisson sampling: fixed public partitions, one per step in turn, Poisson within it."""
+"""Cyclic Poisson sampling: fixed secret partitions, one per step in turn, Poisson within it."""
 
 from __future__ import annotations
 
@@ -10,15 +10,38 @@ import torch
 from dplightning.privacy.poisson import CyclicPoissonBatchSampler, cyclic_partitions
 
 
-def test_partitions_split_the_data_into_near_equal_fixed_parts() -> None:
+def test_partitions_split_the_data_into_fixed_parts() -> None:
     parts = cyclic_partitions(103, 4, seed=7)
     joined = torch.cat(parts)
     assert sorted(joined.tolist()) == list(range(103))  # disjoint and covering
-    assert {len(p) for p in parts} == {25, 26}
-    assert all(torch.equal(a, b) for a, b in zip(parts, cyclic_partitions(103, 4, seed=7)))  # public: reproducible
+    assert all(torch.equal(a, b) for a, b in zip(parts, cyclic_partitions(103, 4, seed=7)))  # one split per seed
     assert not torch.equal(parts[0], cyclic_partitions(103, 4, seed=8)[0])
     with pytest.raises(ValueError, match="partitions <= N"):
         cyclic_partitions(3, 4, seed=0)
+
+
+def _owners(num_samples: int, partitions: int, seed: int) -> list[int]:
+    owner = [-1] * num_samples
+    for p, part in enumerate(cyclic_partitions(num_samples, partitions, seed)):
+        for i in part.tolist():
+            owner[i] = p
+    return owner
+
+
+def test_removing_an_example_leaves_the_others_parts_distributed_as_before() -> None:
+    """Add-or-remove adjacency: the other examples' parts must not depend on whether one more example exists.
+
+    An equal split fails this: two examples in two parts never share one, while the parts of
+    N examples drawn alone would; and alone, one example always took part 0.
+    """
+    partitions, seeds = 2, 4000
+    together = sum(len(set(_owners(2, partitions, s))) == 1 for s in range(seeds)) / seeds
+    assert abs(together - 1 / partitions) < 5 * math.sqrt(0.25 / seeds)  # independent, uniform parts
+    first = sum(_owners(2, partitions, s)[0] for s in range(seeds)) / seeds  # example 0's part, uniform
+    assert abs(first - 0.5) < 5 * math.sqrt(0.25 / seeds)
+    # With the same secret seed the coupling is exact: the remaining examples keep their parts.
+    for seed in range(20):
+        assert _owners(50, 4, seed)[:49] == _owners(49, 4, seed)
 
 
 def _steps(sampler: CyclicPoissonBatchSampler, epochs: int) -> list[list[int]]:

@@ -4,7 +4,8 @@ References are built independently of the strategy's wiring: the clipped mean by
 the noise by regenerating the documented white-noise streams and solving C z = w densely
 (scipy, float64) with C rebuilt from its public coefficients in numpy, the sensitivities by
 brute force over every participation pattern, ε by Opacus' accountants given the equivalent
-DP-SGD parameters computed here, and the un-amplified Gaussian by its closed form.
+DP-SGD parameters computed here, by Google's dp_accounting given JAX-Privacy's events, and the
+un-amplified Gaussian by its closed form.
 """
 
 from __future__ import annotations
@@ -264,6 +265,44 @@ def test_target_epsilon_calibrates_sigma_for_the_equivalent_mechanism(mechanism:
         eps = _gaussian_epsilon(sigma, delta)
     assert 0.97 * target <= eps <= target * 1.0001
     assert dp.get_epsilon() == pytest.approx(target, rel=0.03) and dp.get_epsilon() <= target
+
+
+def _google_event(mechanism: str, sigma: float, steps: int, partitions: int) -> Any:
+    """The dp_accounting event JAX-Privacy builds: amplified BandMF, or one Gaussian mechanism for BLT."""
+    import dp_accounting
+
+    if mechanism == "blt":
+        return dp_accounting.GaussianDpEvent(sigma)
+    inner = dp_accounting.PoissonSampledDpEvent(partitions * BATCH / N, dp_accounting.GaussianDpEvent(sigma))
+    return dp_accounting.SelfComposedDpEvent(inner, math.ceil(steps / partitions))
+
+
+@pytest.mark.parametrize("mechanism", ["band_mf", "blt"])
+def test_epsilon_agrees_with_google_dp_accounting(mechanism: str) -> None:
+    """An accountant written independently of Opacus, given the events JAX-Privacy builds for these mechanisms.
+
+    PRV must not report less than dp_accounting's PLD (both are tight; PRV's is an upper bound,
+    so a little more), RDP must agree with its RDP, and a calibrated σ must meet the target there.
+    """
+    dp_accounting = pytest.importorskip("dp_accounting", reason="the dev extra installs dp-accounting")
+    sigma, steps, partitions, delta, target = 1.1, 9, 4, 1 / (10 * N), 2.0
+    extra = dict(bands=2) if mechanism == "band_mf" else dict(blt_buffers=2)
+    event = _google_event(mechanism, sigma, steps, partitions)
+    references = [("prv", dp_accounting.pld.PLDAccountant()), ("rdp", dp_accounting.rdp.RdpAccountant())]
+    for accountant, reference in references:
+        dp = strategy(noise_mechanism=mechanism, cyclic_partitions=partitions, noise_multiplier=sigma,
+                      accountant=accountant, **extra)  # fmt: skip
+        _fit(dp, steps)
+        expected = reference.compose(event).get_epsilon(delta)
+        if accountant == "prv":
+            assert expected <= dp.get_epsilon() <= expected * 1.01
+        else:
+            assert dp.get_epsilon() == pytest.approx(expected, rel=1e-3)
+    calibrated = strategy(noise_mechanism=mechanism, cyclic_partitions=partitions, target_epsilon=target,
+                          noise_multiplier=None, **extra)  # fmt: skip
+    _fit(calibrated, steps)
+    event = _google_event(mechanism, calibrated.dp_state.noise_multiplier, steps, partitions)
+    assert 0.97 * target <= dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(delta) <= target
 
 
 # ---------------------------------------------------------------------------------------------- secret state

@@ -1,4 +1,4 @@
-"""Correlated noise on 2 spawned CPU/gloo ranks (dp_ddp): added once, and equal to one process.
+"""Correlated noise on 2 spawned CPU/gloo ranks (dp_ddp): added once, equal to one process, every engine exact.
 
 Each rank dumps its final state (tests.helpers.DumpRankState). The reference regenerates the
 documented white-noise streams and solves C z = w densely with C rebuilt from its public
@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 import scipy.linalg
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import dplightning
 from dplightning.privacy.matrix_mechanism import Workload, optimize_banded
-from tests.helpers import DumpRankState, TinyModule, loader, make_dataset, make_trainer, params_of
+from tests.helpers import DumpRankState, TinyModule, loader, make_dataset, make_trainer, mlp, params_of, run_ddp
+from tests.reference import clipped_sum, per_example_grads
 from tests.strategies.test_correlated import _banded_matrix, _white
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -74,3 +76,32 @@ def test_correlated_noise_is_added_once_and_equals_one_process(tmp_path: Path, p
         for name, value in one["params"].items():
             torch.testing.assert_close(ranks[0]["params"][name], value, rtol=1e-5, atol=1e-7)
         assert one["history"] == ranks[0]["history"]
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "engine"),
+    [("band_mf", "instantiate"), ("blt", "book_keeping"), ("band_mf", "auto")],
+    ids=["band_mf-instantiate", "blt-book_keeping", "band_mf-auto"],
+)
+def test_zero_noise_step_is_the_clipped_mean_of_the_union_with_every_engine(
+    tmp_path: Path, mechanism: str, engine: str
+) -> None:
+    """σ = 0: the step the ranks take together is the clipped sum over both ranks' samples / B (torch.func)."""
+    torch.manual_seed(0)
+    module = TinyModule()
+    before = params_of(module)
+    extra = dict(bands=BANDS) if mechanism == "band_mf" else dict(blt_buffers=1, cyclic_partitions=BANDS)
+    ranks = run_ddp(module, loader(make_dataset(N), BATCH), str(tmp_path), noise_mechanism=mechanism,
+                    clipping_engine=engine, max_grad_norm=0.3, seed=4, max_steps=1, **extra)  # fmt: skip
+    for name in ranks[0]["params"]:
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
+    x = torch.cat([b[0] for r in ranks for b in r["batches"]])
+    y = torch.cat([b[1] for r in ranks for b in r["batches"]])
+    assert 0 < len(y) and not set(map(tuple, ranks[0]["batches"][0][0].tolist())) & set(
+        map(tuple, ranks[1]["batches"][0][0].tolist())
+    )  # disjoint shares of one partition's sample
+    net = mlp()
+    net.load_state_dict({k.removeprefix("net."): v for k, v in before.items()})
+    expected = clipped_sum(per_example_grads(net, F.cross_entropy, x, y), 0.3)
+    for name, value in ranks[0]["params"].items():
+        torch.testing.assert_close(before[name] - value, expected[name.removeprefix("net.")] / B, rtol=1e-5, atol=1e-7)
