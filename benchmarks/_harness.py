@@ -1,12 +1,17 @@
-"""What the CPU benchmarks share: step clocks, fresh processes per measurement, summaries, provenance.
+"""What the benchmarks share: one step clock, one quiet Trainer, fresh processes, summaries, provenance.
 
 Timing: a step's time is the gap between two step starts, recorded by ``perf_counter`` once
 the batch is fetched (``Callback.on_train_batch_start`` under Lightning, the loop body's top
-otherwise). Memory: the peak RSS of the measuring process (``ru_maxrss``), each measurement
-in a fresh ``spawn`` process so that allocator state and hooks never leak between runners,
-and its growth over the RSS just before training. Interference: the share of the machine's
+otherwise, through :meth:`StepClock.tick`); on a GPU the clock synchronizes before each reading.
+Trainers that only measure come from :func:`quiet_trainer` (no logger, checkpoints, progress bar
+or model summary), so that no run times a logger's writes or a bar's redraws. Memory: the peak
+RSS of the measuring process (``ru_maxrss``), each measurement in a fresh ``spawn`` process so
+that allocator state and hooks never leak between runners, and its growth over the RSS just
+before training. Interference: the share of the machine's
 CPU other processes used meanwhile (``/proc/stat``); above a threshold the measurement is
-retried, as one busy core slows threaded steps many-fold.
+retried, as one busy core slows threaded steps many-fold. Provenance: every result file
+carries :func:`provenance` (the command, the machine and versions, the git commit and its
+uncommitted files); :func:`write_report` writes it, and scripts that write their own JSON merge it in.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from itertools import pairwise
 from multiprocessing import get_context
@@ -35,6 +40,24 @@ import dplightning
 
 TRIES, RETRY_PAUSE_S = 6, 30.0
 ENV_PREFIXES = ("MALLOC_", "OMP_", "MKL_", "LD_PRELOAD", "PYTHONPATH")  # settings that change the timings
+ROOT = Path(__file__).resolve().parents[1]
+# A logger's writes, checkpoints, a progress bar's redraws and the summary's pass over the module are not the step.
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+def quiet_trainer(**kwargs: Any) -> pl.Trainer:
+    """A Trainer without logger, checkpointing, progress bar or model summary.
+
+    Args:
+        **kwargs: ``pl.Trainer`` arguments; they override the quiet defaults.
+    """
+    return pl.Trainer(**{**QUIET, **kwargs})
+
+
+def batch_rows(batch: Any) -> int:
+    """Rows of a batch: a tuple's first tensor, or a mapping's first value (a tokenized batch)."""
+    first = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
+    return len(first)
 
 
 class StepClock(pl.Callback):
@@ -61,7 +84,7 @@ class StepClock(pl.Callback):
         return len(self.starts) > self.steps
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.tick(len(batch[0])):
+        if self.tick(batch_rows(batch)):
             trainer.should_stop = True  # this batch still runs, untimed; then fit ends
 
     def step_ms(self, warmup: int) -> list[float]:
@@ -124,12 +147,38 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def write_report(path: Path, name: str, threads: int, settings: dict[str, Any], **results: Any) -> None:
     """Write the JSON record of one benchmark run: the command, the machine, the settings and the results."""
     report = {
-        "benchmark": name, "command": " ".join(["python", *sys.argv]), "environment": environment(threads),
-        **{k: v for k, v in settings.items() if k != "out"}, **results,
+        "benchmark": name, **provenance(threads), **{k: v for k, v in settings.items() if k != "out"}, **results,
     }  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def provenance(threads: int, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """What every result file carries: ``{"command": ..., "environment": ...}`` (machine, versions, commit).
+
+    Args:
+        threads: The torch threads of the measuring processes.
+        argv: The script and its arguments (default ``sys.argv``), for a ``main(argv)`` called in-process.
+    """
+    return {"command": command(argv), "environment": environment(threads)}
+
+
+def provenance_line(record: Mapping[str, Any]) -> str:
+    """One markdown line with a record's provenance, for tables written beside its JSON."""
+    env = record["environment"]
+    source = env["dplightning"]
+    commit = (source["commit"] or "unknown")[:12] + (" (uncommitted changes)" if source["dirty"] else "")
+    return (f"Command: `{record['command']}`; commit {commit}; {env['cpu']}, {env['threads']} thread(s); "
+            f"torch {env['torch']}, Python {env['python']}.\n")  # fmt: skip
+
+
+def command(argv: Sequence[str] | None = None) -> str:
+    """``python SCRIPT ARGS``: the script relative to the repository, other absolute paths as ``<path>``."""
+    script, *args = sys.argv if argv is None else argv
+    path = Path(script).resolve()
+    shown = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    return " ".join(["python", shown, *("<path>" if os.path.isabs(a) else a for a in args)])
 
 
 def environment(threads: int) -> dict[str, Any]:

@@ -54,7 +54,6 @@ import multiprocessing
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -63,7 +62,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-from _harness import environment
+from _harness import provenance
 from _outputs import default_figures, default_result
 from scipy import stats
 
@@ -442,8 +441,7 @@ def _load_or_start(experiment: Experiment, out: Path, threads: int | None) -> di
     return {
         "experiment": experiment.name, "identity": identity,
         "digest": hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16],
-        "command": " ".join(["python", *sys.argv]),
-        "environment": environment(threads or torch.get_num_threads()),
+        **provenance(threads or torch.get_num_threads()),  # outside the identity: a resume may run elsewhere
         "criteria_registered": experiment.criteria_record(), "pairing": experiment.pairing,
         "status": "selection", "runs": [],
     }  # fmt: skip

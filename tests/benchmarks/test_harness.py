@@ -1,0 +1,87 @@
+"""benchmarks/_harness.py: the quiet Trainer, the step clock on tuple and mapping batches, and the provenance."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def harness(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("_harness")
+
+
+def test_the_quiet_trainer_has_no_logger_checkpoints_bar_or_summary_unless_asked(harness: ModuleType) -> None:
+    from lightning.pytorch.callbacks import ModelSummary
+
+    quiet = harness.quiet_trainer(accelerator="cpu", max_steps=3)
+    assert quiet.logger is None and quiet.checkpoint_callback is None and quiet.progress_bar_callback is None
+    assert not any(isinstance(c, ModelSummary) for c in quiet.callbacks) and quiet.max_steps == 3
+    loud = harness.quiet_trainer(accelerator="cpu", enable_progress_bar=True)  # the caller's arguments win
+    assert loud.progress_bar_callback is not None
+
+
+def test_the_clock_counts_rows_of_tuple_and_mapping_batches_and_stops_after_its_steps(harness: ModuleType) -> None:
+    import lightning.pytorch as pl
+
+    class Mapped(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.layer(batch["x"]).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    assert harness.batch_rows((torch.zeros(3, 2), torch.zeros(3))) == 3
+    assert harness.batch_rows({"input_ids": torch.zeros(5, 7), "labels": torch.zeros(5, 7)}) == 5
+    rows = [{"x": x} for x in torch.randn(40, 2)]
+    clock = harness.StepClock(4)
+    trainer = harness.quiet_trainer(accelerator="cpu", max_steps=100, callbacks=[clock])
+    trainer.fit(Mapped(), DataLoader(rows, batch_size=4))  # type: ignore[arg-type]
+    assert trainer.global_step == 5  # four timed steps and the one whose start closes the last gap
+    assert clock.rows == [4] * 5 and len(clock.step_ms(1)) == 3 and all(t > 0 for t in clock.step_ms(0))
+    loop = harness.StepClock(2)
+    stopped = [
+        i
+        for i, (x, _) in enumerate(DataLoader(TensorDataset(torch.zeros(9, 1), torch.zeros(9)), 3))
+        if loop.tick(len(x))
+    ]
+    assert stopped == [2] and loop.rows == [3, 3, 3]
+
+
+def test_the_command_shows_the_script_from_the_repository_and_hides_other_absolute_paths(harness: ModuleType) -> None:
+    argv = [str(ROOT / "benchmarks" / "engines.py"), "--out", "/somewhere/x.json", "--quick", "results/y.json"]
+    assert harness.command(argv) == "python benchmarks/engines.py --out <path> --quick results/y.json"
+    assert harness.command(["benchmarks/engines.py"]) == "python benchmarks/engines.py"  # relative to the cwd (root)
+    assert harness.command(["/elsewhere/tool.py", "-v"]) == "python tool.py -v"
+
+
+def test_every_report_carries_the_command_machine_and_commit(harness: ModuleType, monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["benchmarks/demo.py", "--out", str(tmp_path / "r.json")])
+    record = harness.provenance(2)
+    assert list(record) == ["command", "environment"]
+    assert record["command"] == "python benchmarks/demo.py --out <path>"
+    env = record["environment"]
+    assert env["threads"] == 2 and env["cpu"] and env["torch"] == torch.__version__
+    assert set(env["dplightning"]) == {"commit", "dirty"}
+    harness.write_report(tmp_path / "r.json", "demo", 2, {"out": "x", "steps": 3}, results=[1])
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["benchmark"] == "demo" and written["steps"] == 3 and written["results"] == [1]
+    assert written["command"] == record["command"] and written["environment"]["cpu"] == env["cpu"]
+    assert "out" not in written
+    line = harness.provenance_line(written)
+    assert line.startswith("Command: `python benchmarks/demo.py --out <path>`; commit ") and "2 thread(s)" in line
