@@ -5,10 +5,10 @@
 
 Four runs of the same model, data and per-process batch size, each in fresh spawned
 processes: plain single-process Lightning, ``dp`` (one process), ``ddp`` and ``dp_ddp``
-(``--world`` processes). Rank 0 times every training batch from ``on_train_batch_start``
-to ``on_train_batch_end`` (forward, backward, clipping, all-reduce, noise and optimizer
-step; Trainer setup and sanity checks excluded) and reports the median after
-``--warmup`` batches. Every process runs with ``--threads`` intra-op threads so that the
+(``--world`` processes). Rank 0 times every step with ``_harness.StepClock``, the gap between
+two step starts (forward, backward, clipping, all-reduce, noise, optimizer step and the next
+batch's fetch; Trainer setup and sanity checks excluded), and reports the median after
+``--warmup`` steps. Every process runs with ``--threads`` intra-op threads so that the
 processes do not fight over the cores.
 """
 
@@ -20,7 +20,6 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import lightning.pytorch as pl
 import opacus
 import torch
 import torch.nn.functional as F
+from _harness import StepClock, provenance, quiet_trainer
 from _outputs import default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -58,22 +58,16 @@ class _Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class _StepTimer(pl.Callback):
-    """Rank 0 writes the wall time of every training batch to ``path``."""
+class _RankZeroClock(StepClock):
+    """A step clock whose rank 0 writes its step times (ms) to ``path``: spawned ranks hand nothing else back."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, steps: int, path: str) -> None:
+        super().__init__(steps)
         self.path = path
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._start)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank == 0:
-            Path(self.path).write_text(json.dumps(self.times))
+            Path(self.path).write_text(json.dumps(self.step_ms(0)))
 
 
 def _strategy(name: str, world: int) -> Any:
@@ -87,20 +81,20 @@ def _strategy(name: str, world: int) -> Any:
 
 
 def measure(name: str, args: argparse.Namespace) -> float:
-    """Median seconds per step of one configuration."""
+    """Median milliseconds per step of one configuration."""
     world = args.world if name in ("ddp", "dp_ddp") else 1
     data = TensorDataset(torch.randn(args.samples, args.width), torch.randint(0, 10, (args.samples,)))
     loader = DataLoader(data, batch_size=args.batch, shuffle=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "times.json")
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=world, strategy=_strategy(name, world), max_steps=args.warmup + args.steps,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, callbacks=[_StepTimer(path)],
+        trainer = quiet_trainer(
+            accelerator="cpu", devices=world, strategy=_strategy(name, world), num_sanity_val_steps=0,
+            max_steps=args.warmup + args.steps + 1,  # the last start only closes the last gap
+            callbacks=[_RankZeroClock(args.warmup + args.steps, path)],
         )  # fmt: skip
         trainer.fit(_Net(args.width, args.depth, args.threads), loader)
-        times = json.loads(Path(path).read_text())
-    return statistics.median(times[args.warmup :])
+        step_ms = json.loads(Path(path).read_text())
+    return statistics.median(step_ms[args.warmup :])
 
 
 def _cpu_model() -> str:
@@ -133,14 +127,14 @@ def main() -> None:
     results = {name: measure(name, args) for name in ("single", "dp", "ddp", "dp_ddp")}
     layout = f"{args.world} processes, {args.threads} thread(s) each"
     print(f"MLP {args.depth}x{args.width}, batch {args.batch}/process, {layout}, CPU")
-    for name, seconds in results.items():
-        print(f"  {name:8s} {1e3 * seconds:8.2f} ms/step")
+    for name, ms in results.items():
+        print(f"  {name:8s} {ms:8.2f} ms/step")
     print(f"  dp_ddp / ddp    = {results['dp_ddp'] / results['ddp']:.2f}x")
     print(f"  dp / single     = {results['dp'] / results['single']:.2f}x")
     print(f"  dp_ddp / dp     = {results['dp_ddp'] / results['dp']:.2f}x  (same per-process batch, twice the examples)")
     record = {
         "benchmark": "ddp_overhead",
-        "ms_per_step": {k: 1e3 * v for k, v in results.items()},
+        "ms_per_step": results,
         "ratio_dp_ddp_over_ddp": results["dp_ddp"] / results["ddp"],
         "config": vars(args),
         "versions": {
@@ -151,6 +145,7 @@ def main() -> None:
             "python": platform.python_version(),
         },  # fmt: skip
         "hardware": {"cpu": _cpu_model(), "cores": os.cpu_count(), "device": "cpu"},
+        **provenance(args.threads),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2))

@@ -4,10 +4,10 @@
     python benchmarks/gpu_step_time.py --precision bf16-mixed
 
 Same network, synthetic data, SGD and batch size for all three; the DP runs use σ = 1,
-C = 1 and Poisson sampling (q = B/N). A step is timed from ``on_train_batch_start`` to
-``on_train_batch_end`` (Lightning) or around one loop iteration (Opacus), with
-``torch.cuda.synchronize()`` at both ends; the median after ``--warmup`` steps is
-reported, with peak GPU memory. CPU-side figures live in ``step_overhead.py``.
+C = 1 and Poisson sampling (q = B/N). A step's time is the gap between two step starts
+(``_harness.StepClock``: ``on_train_batch_start`` under Lightning, the top of the loop body once
+the batch is on the GPU for Opacus), read after ``torch.cuda.synchronize()``; the median after
+``--warmup`` steps is reported, with peak GPU memory. CPU-side figures live in ``step_overhead.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import lightning.pytorch as pl
 import opacus
 import torch
 import torch.nn.functional as F
+from _harness import StepClock, provenance, quiet_trainer
 from _outputs import default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -54,37 +54,23 @@ class _Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-class _Timer(pl.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        torch.cuda.synchronize()
-        self._t = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - self._t)
-
-
 def _data(shape: tuple[int, ...], n: int) -> TensorDataset:
     return TensorDataset(torch.randn(n, *shape), torch.randint(0, 10, (n,)))
 
 
-def _lightning(workload: str, strategy: Any, args: argparse.Namespace) -> list[float]:
+def _lightning(workload: str, strategy: Any, args: argparse.Namespace) -> StepClock:
     make, shape = WORKLOADS[workload]
     torch.manual_seed(0)
-    timer = _Timer()
-    trainer = pl.Trainer(
-        accelerator="gpu", devices=1, strategy=strategy, precision=args.precision, max_steps=args.warmup + args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[timer],
+    clock = StepClock(args.warmup + args.steps, sync=torch.cuda.synchronize)
+    trainer = quiet_trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision=args.precision,
+        max_steps=args.warmup + args.steps + 1, callbacks=[clock],  # the last start only closes the last gap
     )  # fmt: skip
     trainer.fit(_Module(make()), DataLoader(_data(shape, args.batch * 400), batch_size=args.batch, shuffle=True))
-    return timer.times
+    return clock
 
 
-def _opacus(workload: str, args: argparse.Namespace) -> list[float]:
+def _opacus(workload: str, args: argparse.Namespace) -> StepClock:
     make, shape = WORKLOADS[workload]
     torch.manual_seed(0)
     net = make().cuda()
@@ -93,21 +79,17 @@ def _opacus(workload: str, args: argparse.Namespace) -> list[float]:
     net, opt, loader = opacus.PrivacyEngine().make_private(
         module=net, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=True
     )
-    times: list[float] = []
-    for step, (x, y) in enumerate(loader):
-        if step == args.warmup + args.steps:
+    clock = StepClock(args.warmup + args.steps, sync=torch.cuda.synchronize)
+    for x, y in loader:
+        x, y = x.cuda(non_blocking=True), y.cuda(non_blocking=True)  # as Lightning's batch, on the GPU at the start
+        if clock.tick(len(x)):
             break
-        x, y = x.cuda(non_blocking=True), y.cuda(non_blocking=True)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
         opt.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
             loss = F.cross_entropy(net(x), y)
         loss.backward()
         opt.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return times
+    return clock
 
 
 def measure(runner: str, workload: str, args: argparse.Namespace) -> dict[str, float]:
@@ -115,13 +97,13 @@ def measure(runner: str, workload: str, args: argparse.Namespace) -> dict[str, f
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     if runner == "opacus":
-        times = _opacus(workload, args)
+        clock = _opacus(workload, args)
     else:
         strategy = (
             dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0) if runner == "dplightning" else "auto"
         )
-        times = _lightning(workload, strategy, args)
-    return {"ms": 1e3 * statistics.median(times[args.warmup :]), "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
+        clock = _lightning(workload, strategy, args)
+    return {"ms": statistics.median(clock.step_ms(args.warmup)), "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
 
 
 def main() -> None:
@@ -146,6 +128,7 @@ def main() -> None:
         "results": results, "config": vars(args), "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "opacus": opacus.__version__,
                      "python": platform.python_version()},
+        **provenance(torch.get_num_threads()),
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2))
