@@ -14,7 +14,10 @@ from dplightning.protocols import AccountingSource, ReportsMetrics, dp_state_of
 
 
 class EpsilonProgress(Callback):
-    """Logs ``epsilon`` (an upper bound, exact on a geometric grid of steps) every step.
+    """Logs ``epsilon`` (an upper bound, exact on a geometric grid of steps) every step, if anything reads it.
+
+    Nothing is computed when the run has no logger, no progress bar and no callback monitoring
+    ``epsilon`` (e.g. a benchmark's quiet Trainer); the strategy's final line still reports ε.
 
     Added automatically by the DP strategies unless a :class:`~dplightning.protocols.ShowsEpsilon`
     callback (e.g. ``dplightning.callbacks.PrivacyBudget``) is present; reads only public values (the ledger).
@@ -28,10 +31,19 @@ class EpsilonProgress(Callback):
         state = dp_state_of(trainer.strategy)
         if not isinstance(state, AccountingSource) or not state.poisson_sampling or state.steps == 0:
             return
+        if not _epsilon_is_read(trainer):  # an exact ε at each grid step costs more than a tiny run's steps
+            return
         # logger=False without a logger: Lightning would otherwise warn on every step
         logger = bool(trainer.loggers)
         eps = state.epsilon_bound()
         pl_module.log("epsilon", eps, on_step=True, on_epoch=False, prog_bar=True, logger=logger, rank_zero_only=True)
+
+
+def _epsilon_is_read(trainer: pl.Trainer) -> bool:
+    """Whether anything reads the logged ε: a logger, the progress bar, or a callback monitoring ``epsilon``."""
+    if trainer.loggers or trainer.progress_bar_callback is not None:
+        return True
+    return any(getattr(cb, "monitor", None) == "epsilon" for cb in trainer.callbacks)
 
 
 NONFINITE_METRIC = "nonprivate/nonfinite_examples"

@@ -51,7 +51,7 @@ REMOVED = ["step_releases", "secure_mode", "clip_groups", "privatized_parameter_
 
 
 def _fit(strategy: dplightning.DPStrategy, callbacks: list[Any], steps: int = 3) -> Any:
-    trainer = make_trainer(strategy, callbacks=callbacks, max_steps=steps)
+    trainer = make_trainer(strategy, callbacks=callbacks, max_steps=steps, enable_progress_bar=True)  # shows ε
     trainer.fit(TinyModule(), loader(make_dataset(N), BATCH))
     return trainer
 

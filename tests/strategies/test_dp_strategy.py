@@ -275,5 +275,5 @@ def test_poisson_sampling_off_reports_infinite_epsilon() -> None:
 
 
 def test_epsilon_is_in_the_logged_metrics() -> None:
-    trainer = _fit(strategy=dp(noise_multiplier=1.0), max_steps=3)
+    trainer = _fit(strategy=dp(noise_multiplier=1.0), max_steps=3, enable_progress_bar=True)
     assert trainer.progress_bar_metrics["epsilon"] >= trainer.strategy.get_epsilon()
