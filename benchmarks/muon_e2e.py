@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _harness import provenance
 
 BASE = "configs/finetune/e2e_gpt2_small_cpu.yaml"
 ARMS = {"DP-SGD": "dpsgd", "DP-Adam": "dpadam", "DP-Muon": "dpmuon", "DP-MuonBC": "dpmuonbc"}
@@ -119,6 +120,7 @@ def run_one(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             f"--trainer.val_check_interval={args.eval_every}",
             "--trainer.check_val_every_n_epoch=null",
             "--trainer.enable_checkpointing=false",
+            "--trainer.callbacks=[]",  # the base config's ModelCheckpoint contradicts the line above
             "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false",
             "--trainer.inference_mode=false",  # the step-0 validate would leave inference tensors in the metrics
@@ -248,7 +250,8 @@ def main() -> None:
             )
             summary = summarise(runs)
             if args.out:
-                Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": runs}, indent=1))
+                record = {"args": vars(args), "summary": summary, "runs": runs, **provenance(1)}
+                Path(args.out).write_text(json.dumps(record, indent=1))
             if args.figure:
                 plot(runs, args.figure)
     print("\narm         test NLL/token      BLEU            ROUGE-L         fit CPU s")

@@ -3,8 +3,8 @@
 The small GPT-2 of ``configs/finetune/e2e_gpt2_small_cpu.yaml`` on E2E, each arm that config
 plus its ``configs/muon/`` overlay, σ = 1 fixed and the strategy's seed fixed, so that every arm
 trains on the same Poisson batches from the same initial weights. Arms are interleaved within
-each repeat. Per step: wall time (``perf_counter``) and this process's CPU time
-(``process_time``, less sensitive to other jobs on a shared machine), both from one
+each repeat. Per step: wall time (``perf_counter``, ``_harness.StepClock``) and this process's
+CPU time (``process_time``, less sensitive to other jobs on a shared machine), both from one
 ``on_train_batch_start`` to the next, and the optimizer's own update (``step`` minus its
 closure, where the per-example gradients, clipping and noise happen). Targets (issue 11):
 DP-Muon ≤ 1.15x and DP-MuonBC ≤ 1.5x DP-Adam.
@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _harness import StepClock, provenance
 
 ARMS = {"DP-Adam": "dpadam", "DP-Muon": "dpmuon", "DP-MuonBC": "dpmuonbc", "DP-MuonBC no guard": "dpmuonbc"}
 # BC on every matrix. A null cannot be a command-line override of a callable's argument (jsonargparse): a YAML overlay.
@@ -32,15 +33,18 @@ EXTRA = {"DP-MuonBC no guard": ["--config", "{root}/no_guard.yaml"]}
 BASE = "configs/finetune/e2e_gpt2_small_cpu.yaml"
 
 
-class Clock(pl.Callback):
-    """Wall and CPU time between step starts, and the time inside ``optimizer.step`` after its closure."""
+class Clock(StepClock):
+    """The harness's clock, plus CPU time at each step start and the time in ``optimizer.step`` past its closure."""
 
     def __init__(self, steps: int) -> None:
-        self.steps = steps
-        self.wall: list[float] = []
+        super().__init__(steps)
         self.cpu: list[float] = []
         self.update: list[float] = []
         self.corrected = (0, 0)
+
+    def tick(self, rows: int) -> bool:
+        self.cpu.append(time.process_time())
+        return super().tick(rows)
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         opt = trainer.optimizers[0]
@@ -65,12 +69,6 @@ class Clock(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.corrected = getattr(trainer.optimizers[0], "corrected_fraction", (0, 0))
 
-    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, i: int) -> None:
-        self.wall.append(time.perf_counter())
-        self.cpu.append(time.process_time())
-        if len(self.wall) > self.steps:
-            trainer.should_stop = True
-
 
 def measure(arm: str, steps: int, args: argparse.Namespace) -> dict[str, list[float]]:
     from dplightning.cli import build_cli
@@ -89,6 +87,7 @@ def measure(arm: str, steps: int, args: argparse.Namespace) -> dict[str, list[fl
             f"--trainer.max_steps={steps + 1}",
             "--trainer.limit_val_batches=0",
             "--trainer.enable_checkpointing=false",
+            "--trainer.callbacks=[]",  # the base config's ModelCheckpoint contradicts the line above
             "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false",
             f"--trainer.default_root_dir={args.root}",
@@ -100,12 +99,11 @@ def measure(arm: str, steps: int, args: argparse.Namespace) -> dict[str, list[fl
     clock = Clock(steps)
     cli.trainer.callbacks.append(clock)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    gaps = lambda xs: [1e3 * (b - a) for a, b in zip(xs, xs[1:])]  # noqa: E731
     # One update per timed gap (the last batch only closes the last gap).
-    update = [1e3 * u for u in clock.update][: len(clock.wall) - 1]
+    update = [1e3 * u for u in clock.update][: len(clock.starts) - 1]
     return {
-        "wall_ms": gaps(clock.wall),
-        "cpu_ms": gaps(clock.cpu),
+        "wall_ms": clock.step_ms(0),
+        "cpu_ms": [1e3 * (b - a) for a, b in zip(clock.cpu, clock.cpu[1:])],
         "update_ms": update,
         "corrected": [*clock.corrected],
     }
@@ -169,7 +167,7 @@ def main() -> None:
         for kind, ms in result["median_ms"].items():
             print(f"{kind:20s} {ms:6.1f} ms  BC applied on {result['bc_applied'].get(kind, '-')} matrix-steps")
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            Path(args.out).write_text(json.dumps({**result, **provenance(1)}, indent=1))
         return
     Path(args.root).mkdir(parents=True, exist_ok=True)
     (Path(args.root) / "no_guard.yaml").write_text(NO_GUARD_YAML)
@@ -196,7 +194,8 @@ def main() -> None:
             f"          x{ratio_wall:.3f}           x{by_update:.3f}"
         )
     if args.out:
-        result = {"args": vars(args), "median": med, "pooled": pooled, "bc_corrected_matrix_steps": corrected}
+        result = {"args": vars(args), "median": med, "pooled": pooled, "bc_corrected_matrix_steps": corrected,
+                  **provenance(1)}  # fmt: skip
         Path(args.out).write_text(json.dumps(result, indent=1))
     for arm, c in corrected.items():
         if c[1::2] and sum(c[1::2]):
