@@ -60,6 +60,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dplightning
+from dplightning.losses import batch_loss
 from dplightning.privacy import mechanism
 from dplightning.privacy.noise import GaussianNoise
 
@@ -250,7 +251,7 @@ class _CanaryProbe(pl.LightningModule):
         dirac = F.one_hot(index, m + 1)[:, :m].to(x.dtype) * self.canary_norm  # an ordinary row's is all zero
         ce = F.cross_entropy(self.linear(x), y, reduction="none") * ordinary
         loss = ce - self.canary(dirac).squeeze(-1)
-        return loss.sum() / max(len(y), 1)  # a mean loss; Poisson batches can be empty
+        return batch_loss(loss)  # a mean loss; not logged
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -12,6 +12,7 @@ from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 
 from dplightning.data.text import IGNORE
+from dplightning.losses import training_loss
 from dplightning.models.hf import LoraSettings
 from dplightning.modules._hf_module import HFModule
 
@@ -94,10 +95,7 @@ class DPCausalLM(HFModule):
         rows = len(batch["input_ids"])
         if rows == 0:
             return None  # an empty Poisson batch: the strategy still releases the noise of this step
-        losses, _ = per_example_token_mean(self(batch), batch["labels"])
-        loss = losses.sum() / rows
-        self.log("nonprivate/train_loss", loss, batch_size=rows)
-        return loss
+        return training_loss(self, per_example_token_mean(self(batch), batch["labels"])[0])
 
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> None:
         losses, counts = per_example_token_mean(self(batch), batch["labels"])

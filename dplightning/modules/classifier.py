@@ -9,6 +9,8 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from dplightning.losses import training_loss
+
 
 class ImageClassifier(pl.LightningModule):
     """Cross-entropy classifier around any ``nn.Module`` network.
@@ -35,9 +37,7 @@ class ImageClassifier(pl.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        loss = F.cross_entropy(self(x), y, reduction="sum") / max(len(y), 1)  # Poisson batches can be empty
-        self.log("nonprivate/train_loss", loss, batch_size=len(y))
-        return loss
+        return training_loss(self, F.cross_entropy(self(x), y, reduction="none"))
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch

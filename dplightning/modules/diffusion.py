@@ -14,6 +14,7 @@ from torch.func import functional_call
 from typing_extensions import override
 
 from dplightning.data.synthetic import save_grid
+from dplightning.losses import training_loss
 from dplightning.models.edm import EMA, Denoiser, Parameterization
 from dplightning.models.edm_samplers import guided, sample
 
@@ -141,10 +142,7 @@ class DPDiffusion(pl.LightningModule):
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         x, y = batch
-        losses = self.per_example_loss(x * 2 - 1, self.drop_labels(y))
-        loss = losses.sum() / max(len(losses), 1)  # Poisson batches can be empty
-        self.log("nonprivate/train_loss", loss, batch_size=len(losses))
-        return loss
+        return training_loss(self, self.per_example_loss(x * 2 - 1, self.drop_labels(y)))  # one loss per image
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -10,6 +10,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from dplightning.losses import training_loss
 from dplightning.models.hf import LoraSettings
 from dplightning.modules._hf_module import HFModule
 
@@ -114,9 +115,7 @@ class DPSequenceClassifier(HFModule):
         rows = len(batch["labels"])
         if rows == 0:
             return None  # an empty Poisson batch: the strategy still releases the noise of this step
-        loss = F.cross_entropy(self(batch), batch["labels"], reduction="sum") / rows
-        self.log("nonprivate/train_loss", loss, batch_size=rows)
-        return loss
+        return training_loss(self, F.cross_entropy(self(batch), batch["labels"], reduction="none"))
 
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> None:
         self.val_acc(self(batch), batch["labels"])

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanAbsoluteError, MeanSquaredError, SumMetric
 from typing_extensions import override
 
+from dplightning.losses import training_loss
 from dplightning.metrics import QuantileCRPS
 from dplightning.models.ddpm import DDPMSchedule
 
@@ -225,10 +226,7 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         x, observed = self.unpack(batch)
-        losses = self.per_example_loss(x, observed, self.conditioning_mask(observed))
-        loss = losses.sum() / max(len(losses), 1)  # Poisson batches can be empty
-        self.log("nonprivate/train_loss", loss, batch_size=len(losses))
-        return loss
+        return training_loss(self, self.per_example_loss(x, observed, self.conditioning_mask(observed)))
 
     @override
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
