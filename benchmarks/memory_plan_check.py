@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from _harness import provenance
 from _outputs import default_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,8 +123,8 @@ def _trace_peak(trace: Path) -> float:
 
 def measure(config: dict[str, Any], steps: int = 3) -> dict[str, float]:
     """Peak and pre-fit live CPU tensor bytes of ``steps`` DP steps of ``config`` (this process)."""
-    import lightning.pytorch as pl
     import torch
+    from _harness import quiet_trainer
     from torch.profiler import ProfilerActivity, profile
 
     import dplightning
@@ -135,16 +136,12 @@ def measure(config: dict[str, Any], steps: int = 3) -> dict[str, float]:
     model_args = config["model"]["init_args"]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         module = DPCausalLM(config=model_args["config"], lora=model_args.get("lora"), optimizer=_optimizer(model_args))
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=1,
             precision=config["trainer"]["precision"],
             strategy=dplightning.DPStrategy(**config["trainer"]["strategy"]["init_args"]),
             max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         prebuilt = sum(t.untyped_storage().nbytes() for t in module.state_dict(keep_vars=True).values())
         trainer.fit(
@@ -209,8 +206,7 @@ def main() -> None:
         rows.append({"case": name, **r, "relative_error": err})
         est, got = r["estimated_peak_bytes"] / 1e6, r["measured_peak_bytes"] / 1e6
         print(f"{name:16} {est:12.1f} {got:12.1f} {100 * err:+7.1f}%  {r['peak_phase']}", flush=True)
-    command = "OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py --cases " + " ".join(args.cases)
-    report = {"command": command, "versions": _versions(), "cases": rows}
+    report = {**provenance(1), "cases_run": args.cases, "versions": _versions(), "cases": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
