@@ -25,6 +25,7 @@ from dplightning.privacy.grad_sample import (
     Summed,
     available_engines,
     engines,
+    grads,
     make_engine,
 )
 from dplightning.privacy.mechanism import GradientPrivatizer
@@ -305,6 +306,30 @@ def test_ghost_norm_limit_is_the_largest_t_the_rule_allows(elements: int) -> Non
 def test_factored_gradients_take_the_ghost_norm_by_the_engines_rule(shape: tuple[int, int], tokens: int) -> None:
     g = _factors(False, tokens, a=shape[0], b=shape[1])
     assert g.ghost_is_cheaper() == engines.ghost_norm_pays(tokens, math.prod(shape))
+
+
+def test_the_engines_rule_is_the_one_the_gradients_take_their_norms_by() -> None:
+    assert engines.ghost_norm_pays is grads.ghost_norm_pays
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_factored_and_summed_gradients_ask_the_rule_for_their_norms(
+    pays: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one, two = _factors(False, 2, a=40, b=30), _factors(False, 3, a=40, b=30, seed=1)
+    cases = {"factored": (one, 2), "summed": (Summed([one, two]), 2 + 3)}  # summed calls: T adds up
+    expected = {name: g.sq_norms() for name, (g, _) in cases.items()}
+    asked: list[tuple[int, int]] = []
+    ghost: list[bool] = []
+    pair_inner = grads._pair_inner
+    monkeypatch.setattr(grads, "ghost_norm_pays", lambda t, e: asked.append((t, e)) or pays)
+    monkeypatch.setattr(grads, "_pair_inner", lambda a, b: ghost.append(True) or pair_inner(a, b))
+    for name, (g, tokens) in cases.items():
+        asked.clear()
+        ghost.clear()
+        torch.testing.assert_close(g.sq_norms(), expected[name], rtol=1e-5, atol=1e-5)  # either way, the same norm
+        assert asked == [(tokens, 40 * 30)], name
+        assert bool(ghost) == pays, name  # the Grams exactly where the rule says
 
 
 def _layer(kind: str, a: int, b: int) -> nn.Module:

@@ -37,7 +37,7 @@ from typing import Any, ClassVar, cast
 
 from torch import Tensor, nn
 
-from dplightning.privacy.grad_sample.grads import Dense, Factored, PerExampleGrad, Summed
+from dplightning.privacy.grad_sample.grads import Dense, Factored, PerExampleGrad, Summed, ghost_norm_pays
 from dplightning.privacy.grad_sample.samplers import (
     LayerCall,
     conv_columns,
@@ -76,16 +76,6 @@ class Engine(ABC):
         the memory planner asks it per layer (through :func:`keeps_factors`).
         """
         return False
-
-
-def ghost_norm_pays(tokens: int, elements: int) -> bool:
-    """The ghost-norm rule: two T×T Grams per example take less memory than one a×b gradient (2T² < a·b).
-
-    Args:
-        tokens: T, the rows per example of the gradient's factors.
-        elements: a·b, the entries of the weight.
-    """
-    return 2 * tokens**2 < elements
 
 
 def ghost_norm_limit(elements: int) -> int:

@@ -99,6 +99,20 @@ class Dense(PerExampleGrad):
         return Dense(self.value.reshape(self.rows // k, k, *self.shape).sum(1)) if k > 1 else self
 
 
+def ghost_norm_pays(tokens: int, elements: int) -> bool:
+    """The ghost-norm rule: two T×T Grams per example take less memory than one a×b gradient (2T² < a·b).
+
+    The one statement of the rule. It lives here, under the engines, because the per-example gradients
+    below take their norms by it; :mod:`.engines` re-exports it, and the auto engine and the memory
+    planner decide by it.
+
+    Args:
+        tokens: T, the rows per example of the gradient's factors.
+        elements: a·b, the entries of the weight.
+    """
+    return 2 * tokens**2 < elements
+
+
 @dataclass
 class Factored(PerExampleGrad):
     """g_i = L_iᵀ R_i viewed as :attr:`shape` (a·b elements).
@@ -134,8 +148,8 @@ class Factored(PerExampleGrad):
         return self.right.shape[1]
 
     def ghost_is_cheaper(self) -> bool:
-        """Whether two T×T Grams per example take less memory than one a×b gradient (2T² < a·b)."""
-        return 2 * self.tokens**2 < math.prod(self.shape)
+        """Whether the norm is taken from the Grams: :func:`ghost_norm_pays` for this call's T and a·b."""
+        return ghost_norm_pays(self.tokens, math.prod(self.shape))
 
     def sq_norms(self) -> Tensor:
         if self.ghost_is_cheaper():
@@ -196,8 +210,8 @@ class Summed(PerExampleGrad):
         factored = [p for p in self.parts if isinstance(p, Factored)]
         if len(factored) < len(self.parts):
             return Dense(self.instantiate()).sq_norms()
-        tokens = sum(p.tokens for p in factored)
-        if 2 * tokens**2 >= math.prod(self.shape):
+        tokens = sum(p.tokens for p in factored)  # the calls' factors side by side: T = Σ_c T_c
+        if not ghost_norm_pays(tokens, math.prod(self.shape)):
             return _rows_sq_norms(self.instantiate())
         total = torch.zeros(self.rows, device=factored[0].right.device)
         for i, a in enumerate(factored):  # ‖Σ_c g_c‖² = Σ_c ‖g_c‖² + 2 Σ_{c<d} ⟨g_c, g_d⟩
