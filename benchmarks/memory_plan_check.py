@@ -73,7 +73,7 @@ def case_config(
                 "init_args": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "poisson_sampling": False},
             },
         },
-        "model": {"class_path": "dplightning.modules.DPCausalLM", "init_args": init},
+        "model": {"class_path": "dplightning.tasks.DPCausalLM", "init_args": init},
         "data": {"init_args": {"batch_size": 16, "max_length": 64}},
     }
 
@@ -128,7 +128,7 @@ def measure(config: dict[str, Any], steps: int = 3) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     import dplightning
-    from dplightning.modules import DPCausalLM
+    from dplightning.tasks import DPCausalLM
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

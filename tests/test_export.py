@@ -10,10 +10,10 @@ import torch
 
 from dplightning.data import TextFileDataModule
 from dplightning.export import main as export_main
-from dplightning.modules import DPCausalLM
 from dplightning.strategies._dp import CHECKPOINT_KEY
+from dplightning.tasks import DPCausalLM
 from tests.helpers import dp, make_trainer
-from tests.modules import hf_tiny
+from tests.tasks import hf_tiny
 
 WORDS = "the cheap pub near the river serves italian food with a view of the city centre".split()
 

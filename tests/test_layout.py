@@ -11,7 +11,7 @@ and function-level imports (run when the function is called, which some modules 
   ones are listed in :data:`KNOWN_CYCLE_EDGES`; a move that removes one must delete its entry (the entry's test is a
   strict xfail, so it fails once the fault is gone).
 * A private module (a dotted path with a component ``_name``) may be imported only from inside the package that
-  holds it: ``dplightning.modules._hf_module`` from ``dplightning.modules``, ``dplightning._state`` from anywhere
+  holds it: ``dplightning.tasks._hf_module`` from ``dplightning.tasks``, ``dplightning._state`` from anywhere
   in ``dplightning``. Known faults are listed in :data:`KNOWN_PRIVATE_IMPORTS`, the same way.
 * An old path kept for users may import its new home lazily, against the layering: in a module-level
   ``__getattr__`` (PEP 562, run on the first access of a moved name) or under ``if __name__ == "__main__":`` (run

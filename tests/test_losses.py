@@ -13,7 +13,7 @@ import torch
 
 from dplightning.commands.audit import _CanaryProbe
 from dplightning.losses import TRAIN_LOSS_KEY, batch_loss, training_loss
-from dplightning.modules import DPCausalLM, DPDiffusion, DPSequenceClassifier, DPTimeSeriesDiffusion, ImageClassifier
+from dplightning.tasks import DPCausalLM, DPDiffusion, DPSequenceClassifier, DPTimeSeriesDiffusion, ImageClassifier
 
 
 class _Logged(pl.LightningModule):

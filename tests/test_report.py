@@ -17,15 +17,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from dplightning.cli import main as cli_main
 from dplightning.data import ETTDataModule
 from dplightning.export import privacy_of
-from dplightning.modules import DPDiffusion
 from dplightning.privacy.accounting import compute_epsilon
 from dplightning.privacy.provenance import UNDECLARED_UNIT, PrivacyUnit, describe_privacy_unit
 from dplightning.report import format_report, load_report
 from dplightning.strategies._dp import CHECKPOINT_KEY
 from dplightning.strategies.accounting import InconsistentLedger
+from dplightning.tasks import DPDiffusion
 from tests.data.test_ett import MONTH, write_csv
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer
-from tests.modules.test_diffusion import images, tiny_net
+from tests.tasks.test_diffusion import images, tiny_net
 
 N, BATCH, STEPS = 64, 16, 3
 

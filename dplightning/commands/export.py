@@ -33,12 +33,12 @@ from typing import Any
 import torch
 
 from dplightning.models.hf import LoraSettings
-from dplightning.modules import CLASS_KEY, CONFIG_KEY, HFModule
 from dplightning.privacy.accounting import compute_epsilon
 from dplightning.privacy.provenance import describe_privacy_unit
 from dplightning.privacy.record import IncompletePrivacyRecord, NoPrivacyRecord, PrivacyRecord
 from dplightning.strategies.accounting import SEEDED_RISK, InconsistentLedger, check_ledger, mechanism_of
 from dplightning.strategies.correlated import NoiseMechanism
+from dplightning.tasks import CLASS_KEY, CONFIG_KEY, HFModule
 
 SAFE_GLOBALS: list[type] = [LoraSettings]
 """Classes a dplightning checkpoint may pickle besides tensors and plain containers (the LoRA settings
@@ -180,7 +180,7 @@ def _card(privacy: dict[str, Any], kind: str, base: str | None, pooling: str | N
             *(
                 [
                     f"- Pooling: {pooling} over each example's tokens. `AutoModelForSequenceClassification` applies "
-                    "the architecture's own head instead: load with `dplightning.modules.DPSequenceClassifier("
+                    "the architecture's own head instead: load with `dplightning.tasks.DPSequenceClassifier("
                     f"pretrained=<this folder>, pooling={pooling!r})`."
                 ]
                 if pooling

@@ -23,7 +23,7 @@ def run_folder(trainer: pl.Trainer) -> Path:
 class TextPredictionWriter(BasePredictionWriter):
     """Writes the texts ``predict_step`` returns, one line per text, in the predict loader's order.
 
-    For :class:`~dplightning.modules.DPCausalLM` that is one generated text per distinct test prompt.
+    For :class:`~dplightning.tasks.DPCausalLM` that is one generated text per distinct test prompt.
     Line breaks inside a text are written as spaces, so line i is the i-th text. With several
     processes, rank r writes ``<stem>.rank<r><suffix>``: each holds that rank's share of the prompts.
 

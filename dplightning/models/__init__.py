@@ -1,6 +1,6 @@
 """Plain ``nn.Module`` networks and the Hugging Face model builders (:mod:`dplightning.models.hf`).
 
-No Lightning, no DP code: the LightningModules that train these live in :mod:`dplightning.modules`.
+No Lightning, no DP code: the LightningModules that train these live in :mod:`dplightning.tasks`.
 """
 
 from dplightning.models.adaln import AdaLNFinalLayer, AdaLNZeroBlock, ModulationBounds

@@ -1,7 +1,7 @@
 """Building Hugging Face models for DP fine-tuning: offline-safe loading, configs, LoRA, limits.
 
-Shared by :class:`~dplightning.modules.DPSequenceClassifier` and
-:class:`~dplightning.modules.DPCausalLM`. Nothing here touches gradients: the DP strategy
+Shared by :class:`~dplightning.tasks.DPSequenceClassifier` and
+:class:`~dplightning.tasks.DPCausalLM`. Nothing here touches gradients: the DP strategy
 computes per-example gradients of whatever this builds, or refuses it with a named layer.
 """
 

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 class HFImageClassifier(nn.Module):
     """``AutoModelForImageClassification`` with random weights from a config; ``forward(images) -> logits``.
 
-    Lets :class:`~dplightning.modules.ImageClassifier` train a Hugging Face vision model (ViT)
+    Lets :class:`~dplightning.tasks.ImageClassifier` train a Hugging Face vision model (ViT)
     from a YAML config, e.g. ``config: {model_type: vit, image_size: 8, patch_size: 2,
     num_channels: 1, num_labels: 10, hidden_dropout_prob: 0.0}``. Per-example gradients of
     ViT's [CLS] token and position embeddings need ``hidden_dropout_prob: 0``.

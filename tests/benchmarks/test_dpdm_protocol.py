@@ -81,7 +81,7 @@ def test_e2_shrinking_gap_ceiling_and_budget_verdicts(dp: ModuleType) -> None:
 
 def test_heldout_loss_uses_the_same_draws_whatever_the_arms_k(dp: ModuleType) -> None:
     from dplightning.models import NCSNppUNet
-    from dplightning.modules import DPDiffusion
+    from dplightning.tasks import DPDiffusion
 
     def perturb(net: torch.nn.Module) -> torch.nn.Module:  # the last layers start at zero: move every weight
         with torch.no_grad():

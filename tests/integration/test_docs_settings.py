@@ -45,7 +45,7 @@ def test_timeseries_configs_sample_as_the_docs_tables(config: Path) -> None:
     assert _config(config)["model"]["init_args"].get("clip_denoised") == benchmark_clamp
 
 
-CAUSAL_LM = [p for p in sorted(CONFIGS.rglob("*.yaml")) if "dplightning.modules.DPCausalLM" in p.read_text()]
+CAUSAL_LM = [p for p in sorted(CONFIGS.rglob("*.yaml")) if "dplightning.tasks.DPCausalLM" in p.read_text()]
 
 
 @pytest.mark.parametrize("config", CAUSAL_LM, ids=[c.name for c in CAUSAL_LM])

@@ -29,7 +29,7 @@ def _config(tmp_path: Path) -> Path:
                          "init_args": {"noise_multiplier": 1.0, "max_grad_norm": 0.5, "process_group_backend": "gloo"}},
             "callbacks": [{"class_path": "tests.helpers.DumpRankState", "init_args": {"folder": str(tmp_path)}}],
         },
-        "model": {"class_path": "dplightning.modules.DPCausalLM",
+        "model": {"class_path": "dplightning.tasks.DPCausalLM",
                   "init_args": {"config": {"model_type": "opt", "num_hidden_layers": 1, "num_attention_heads": 2,
                                            "hidden_size": 16, "ffn_dim": 32, "word_embed_proj_dim": 16,
                                            "max_position_embeddings": 64, "vocab_size": 300}}},

@@ -14,7 +14,7 @@ from torch.func import functional_call, grad, vmap
 
 from dplightning.models import TimeSeriesDiT
 from dplightning.models.dit_ts import CONDITIONING_PATTERNS
-from dplightning.modules.timeseries_diffusion import forecast_mask, masked_mse_per_example
+from dplightning.tasks.timeseries_diffusion import forecast_mask, masked_mse_per_example
 
 K, L, D = 3, 12, 16
 

@@ -277,7 +277,7 @@ def refuse_batch_mean_loss(module: nn.Module, training: Callable[[], bool]) -> l
             f"{name} was called with labels= in training_step: {reason}, so each example's gradient depends on the "
             "other examples and one example is no longer a privacy unit of bounded influence. Compute the loss per "
             f"example (each example's own mean), then average over the batch:\n{_PER_EXAMPLE_LM_LOSS}"
-            "(dplightning.modules.causal_lm.per_example_token_mean does this; see the per-example loss contract in "
+            "(dplightning.tasks.causal_lm.per_example_token_mean does this; see the per-example loss contract in "
             "docs/dp_sgd_core.md)."
         )
 

@@ -18,11 +18,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from dplightning.data.text import PadCollate
-from dplightning.modules import DPCausalLM, DPSequenceClassifier
-from dplightning.modules.causal_lm import per_example_token_mean
 from dplightning.privacy.grad_sample import PerExampleHooks, available_engines
+from dplightning.tasks import DPCausalLM, DPSequenceClassifier
+from dplightning.tasks.causal_lm import per_example_token_mean
 from tests.helpers import dp, make_trainer, params_of
-from tests.modules import hf_tiny
+from tests.tasks import hf_tiny
 
 MODELS = [*hf_tiny.CAUSAL, *hf_tiny.ENCODERS, *(f"{name}:mean" for name in hf_tiny.ENCODERS)]
 

@@ -15,10 +15,10 @@ from torch.utils.data import DataLoader
 import dplightning
 from dplightning.data.text import PadCollate
 from dplightning.export import export
-from dplightning.modules import DPCausalLM, DPSequenceClassifier
-from dplightning.modules.causal_lm import left_padded
+from dplightning.tasks import DPCausalLM, DPSequenceClassifier
+from dplightning.tasks.causal_lm import left_padded
 from tests.helpers import dp, make_trainer, params_of
-from tests.modules import hf_tiny
+from tests.tasks import hf_tiny
 
 
 class _Rows(torch.utils.data.Dataset):

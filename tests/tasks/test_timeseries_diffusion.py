@@ -18,8 +18,8 @@ from dplightning.data import ETTDataModule
 from dplightning.models import TimeSeriesDiT
 from dplightning.models.ddpm import DDPMSchedule, quad_betas
 from dplightning.models.dit_ts import CONDITIONING_PATTERNS
-from dplightning.modules import DPTimeSeriesDiffusion
-from dplightning.modules.timeseries_diffusion import (
+from dplightning.tasks import DPTimeSeriesDiffusion
+from dplightning.tasks.timeseries_diffusion import (
     context_mean,
     forecast_mask,
     masked_mse_per_example,

@@ -4,12 +4,12 @@
 ``dplightning export``, which rebuilds a module from them.
 """
 
-from dplightning.modules._hf_module import CLASS_KEY, CONFIG_KEY, TOKENIZER_KEY, HFModule
-from dplightning.modules.causal_lm import DPCausalLM
-from dplightning.modules.classifier import ImageClassifier
-from dplightning.modules.diffusion import DPDiffusion
-from dplightning.modules.sequence_classifier import DPSequenceClassifier
-from dplightning.modules.timeseries_diffusion import DPTimeSeriesDiffusion
+from dplightning.tasks._hf_module import CLASS_KEY, CONFIG_KEY, TOKENIZER_KEY, HFModule
+from dplightning.tasks.causal_lm import DPCausalLM
+from dplightning.tasks.classifier import ImageClassifier
+from dplightning.tasks.diffusion import DPDiffusion
+from dplightning.tasks.sequence_classifier import DPSequenceClassifier
+from dplightning.tasks.timeseries_diffusion import DPTimeSeriesDiffusion
 
 __all__ = [
     "CLASS_KEY",

@@ -12,7 +12,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from dplightning.losses import training_loss
 from dplightning.models.hf import LoraSettings
-from dplightning.modules._hf_module import HFModule
+from dplightning.tasks._hf_module import HFModule
 
 Pooling = Literal["model", "mean"]
 # How each architecture's classification head takes a pooled vector (for ``pooling="mean"``):

@@ -14,7 +14,7 @@ from torchmetrics.aggregation import MeanMetric
 from dplightning.data.text import IGNORE
 from dplightning.losses import training_loss
 from dplightning.models.hf import LoraSettings
-from dplightning.modules._hf_module import HFModule
+from dplightning.tasks._hf_module import HFModule
 
 
 def per_example_token_mean(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

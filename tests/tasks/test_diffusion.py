@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dplightning
 from dplightning.models import NCSNppUNet
-from dplightning.modules import DPDiffusion
+from dplightning.tasks import DPDiffusion
 from tests.helpers import dp, make_trainer, params_of
 
 B, K, C = 6, 4, 0.05
