@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
+from dplightning.optim import DPGrape
 from dplightning.planning.memory import (
     GB,
     assemble,
@@ -19,6 +23,7 @@ from dplightning.planning.memory import (
     plan,
     survey,
 )
+from dplightning.privacy.grad_sample import SlotTransform
 
 TINY_OPT = {
     "model_type": "opt",
@@ -184,6 +189,64 @@ def test_dp_grape_plans_its_slots_for_states_and_buckets() -> None:
     adam = plan(fit_config())
     assert component(grape, "formed per-example gradients") < component(adam, "formed per-example gradients")
     assert grape.peak < adam.peak
+
+
+class QueriesOnly(DPGrape):
+    """A DP-GRAPE under another name whose plan projects the query weights only (a plan of its own)."""
+
+    def dp_plan(self, named_params: Any, max_grad_norm: float) -> Any:
+        plan = super().dp_plan(named_params, max_grad_norm)
+        names = {p: n for n, p in named_params}
+        return replace(plan, transforms={p: t for p, t in plan.transforms.items() if "q_proj" in names[p]})
+
+
+class Unrolled(SlotTransform):
+    """A slot transform that is no projection (it only reshapes)."""
+
+    def slot_shape(self, shape: Any) -> Any:
+        return torch.Size((math.prod(shape),))
+
+    def dense(self, grads: Any) -> Any:
+        return grads.flatten(-2)
+
+    def factored(self, grad: Any) -> Any:
+        raise NotImplementedError
+
+
+class UnrollsWeights(DPGrape):
+    def dp_plan(self, named_params: Any, max_grad_norm: float) -> Any:
+        plan = super().dp_plan(named_params, max_grad_norm)
+        return replace(plan, transforms={p: Unrolled() for p in plan.transforms})
+
+
+def _slots_of(config: dict[str, Any]) -> tuple[int, set[str]]:
+    sv = survey(config)
+    return sv.slots or 0, set(sv.projected)
+
+
+def test_the_slots_are_the_optimizers_own_dp_plan_whatever_its_name() -> None:
+    grape = survey(fit_config(optimizer={"class_path": "dplightning.optim.DPGrape", "init_args": {"rank": 4}}))
+    mine = survey(fit_config(optimizer={"class_path": f"{__name__}.QueriesOnly", "init_args": {"rank": 4}}))
+    assert set(mine.projected) == {n for n in grape.projected if n.endswith("q_proj")} and mine.projected
+    weights = {layer.name: layer.weight for layer in grape.layers}
+    unprojected = sum(weights[n] - grape.projected[n].slot for n in set(grape.projected) - set(mine.projected))
+    assert mine.slots == (grape.slots or 0) + unprojected  # the other weights keep their full slots
+
+
+def test_init_args_are_typed_as_the_fit_types_them_and_unknown_ones_are_refused() -> None:
+    as_yaml_reads_it = {"class_path": "dplightning.optim.DPGrape", "init_args": {"lr": "2e-4", "rank": "4"}}
+    assert _slots_of(fit_config(optimizer=as_yaml_reads_it)) == _slots_of(
+        fit_config(optimizer={"class_path": "dplightning.optim.DPGrape", "init_args": {"lr": 2e-4, "rank": 4}})
+    )
+    with pytest.raises(ValueError, match="do not fit DPGrape"):
+        survey(fit_config(optimizer={"class_path": "dplightning.optim.DPGrape", "init_args": {"rnak": 4}}))
+
+
+def test_a_plan_without_projections_and_a_transform_the_planner_cannot_model() -> None:
+    muon = survey(fit_config(optimizer={"class_path": "dplightning.optim.DPMuon"}))
+    assert muon.slots is None and not muon.projected  # DP-Muon's plan transforms no slot
+    with pytest.raises(ValueError, match="the DP plan transforms .* with a Unrolled"):
+        survey(fit_config(optimizer={"class_path": f"{__name__}.UnrollsWeights", "init_args": {"rank": 4}}))
 
 
 # ---------------------------------------------------------------- the engines' rules and DP defaults, read not retyped

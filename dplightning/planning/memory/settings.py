@@ -102,6 +102,8 @@ class Settings:
     world_size: int
     noise_buffers: int = 0
     """Secret fp32 buffers of the noised size a correlated noise mechanism keeps (b - 1 banded, m BLT)."""
+    max_grad_norm: float = 1.0
+    """C, which an optimizer's DP plan is asked with."""
 
 
 def dp_defaults() -> dict[str, Any]:
@@ -150,6 +152,7 @@ def settings_of(config: Mapping[str, Any]) -> Settings:
         gpu=accelerator not in ("cpu",),
         world_size=int(trainer.get("num_nodes", 1) or 1) * (devices if isinstance(devices, int) else 1),
         noise_buffers=_noise_buffers(strategy),
+        max_grad_norm=float(strategy["max_grad_norm"]),
     )
 
 
