@@ -150,7 +150,7 @@ def write_report(path: Path, name: str, threads: int, settings: dict[str, Any], 
         "benchmark": name, **provenance(threads), **{k: v for k, v in settings.items() if k != "out"}, **results,
     }  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")  # settings may hold paths
     print(f"wrote {path}")
 
 

@@ -78,9 +78,11 @@ def test_every_report_carries_the_command_machine_and_commit(harness: ModuleType
     env = record["environment"]
     assert env["threads"] == 2 and env["cpu"] and env["torch"] == torch.__version__
     assert set(env["dplightning"]) == {"commit", "dirty"}
-    harness.write_report(tmp_path / "r.json", "demo", 2, {"out": "x", "steps": 3}, results=[1])
+    settings = {"out": "x", "steps": 3, "figures": Path("outputs/figures")}  # argparse's vars(), paths included
+    harness.write_report(tmp_path / "r.json", "demo", 2, settings, results=[1])
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["benchmark"] == "demo" and written["steps"] == 3 and written["results"] == [1]
+    assert written["figures"] == "outputs/figures"
     assert written["command"] == record["command"] and written["environment"]["cpu"] == env["cpu"]
     assert "out" not in written
     line = harness.provenance_line(written)
