@@ -44,7 +44,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from _harness import write_report
+from _harness import quiet_trainer, write_report
 from _outputs import default_result
 from torch import Tensor
 
@@ -270,8 +270,7 @@ def run_one(args: argparse.Namespace, task: str, arm: tuple[str, str, str], seed
     pl.seed_everything(seed, verbose=False)
     module = build_module(args, task, layout, bounds, variant)
     callbacks = [CosineLR(args.lr, args.steps)] if args.lr_schedule == "cosine" else []
-    trainer = pl.Trainer(max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)  # fmt: skip
+    trainer = quiet_trainer(max_steps=args.steps, limit_val_batches=0, callbacks=callbacks)
     start = time.perf_counter()
     trainer.fit(module, dm)
     fit_s = time.perf_counter() - start

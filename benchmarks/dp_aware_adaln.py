@@ -28,6 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from _harness import provenance, quiet_trainer
 from _outputs import default_figures, default_result
 from torch import Tensor
 from torch.func import functional_call, grad, vmap
@@ -169,9 +170,7 @@ def run_one(args: argparse.Namespace, task: str, arm: str, seed: int, dm: ETTDat
         clipping = ClippingHistogram(every_n_steps=every, save_figure=False)
         callbacks = [tails, clipping]
     probe_before = summarize_probe(probe_norms(module, dm, args.probe_windows), args.max_grad_norm)
-    trainer = pl.Trainer(strategy=strategy, max_steps=args.steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=callbacks)  # fmt: skip
+    trainer = quiet_trainer(strategy=strategy, max_steps=args.steps, limit_val_batches=0, callbacks=callbacks)
     start = time.perf_counter()
     trainer.fit(module, dm)
     fit_s = time.perf_counter() - start
@@ -267,7 +266,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     out = Path(args.out)
-    report: dict[str, Any] = {"args": vars(args), "runs": [], "baselines": {}}
+    report: dict[str, Any] = {"args": vars(args), "runs": [], "baselines": {}, **provenance(torch.get_num_threads())}
     for task in args.tasks:
         dm = build_data(args, task)
         report["baselines"][task] = forecast_baselines(dm) if task == "forecasting" else imputation_baselines(dm, args)

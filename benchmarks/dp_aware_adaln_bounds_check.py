@@ -14,6 +14,7 @@ torch.set_num_threads(1)
 sys.argv = sys.argv[:1]
 sys.path.insert(0, "benchmarks")
 import dp_aware_adaln as B  # noqa: E402
+from _harness import quiet_trainer  # noqa: E402
 
 import dplightning  # noqa: E402
 
@@ -22,14 +23,8 @@ for task in ["imputation", "forecasting"]:
     dm = B.build_data(args, task)
     pl.seed_everything(0, verbose=False)
     m = B.build_module(args, task, aware=False)
-    tr = pl.Trainer(
-        strategy=dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0),
-        max_steps=150,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
+    tr = quiet_trainer(
+        strategy=dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=150, limit_val_batches=0
     )
     tr.fit(m, dm)
     x = torch.stack([dm.val_set[i] for i in range(0, len(dm.val_set), 1)])

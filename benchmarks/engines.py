@@ -39,7 +39,7 @@ import lightning.pytorch as pl
 import opacus
 import torch
 import torch.nn.functional as F
-from _harness import StepClock, in_fresh_process, measured, summarise, write_report
+from _harness import StepClock, in_fresh_process, measured, quiet_trainer, summarise, write_report
 from _outputs import default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -187,10 +187,9 @@ def _lightning(
             noise_multiplier=1.0, max_grad_norm=1.0, clipping_engine=runner[3:], clipping=clipping
         )
     clock = StepClock(steps, sync=place.synchronize)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy, accelerator=place.accelerator, devices=1, precision=place.precision, max_steps=1000,
-        logger=False, callbacks=[clock], enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[clock], num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(Task(net, w.language_model), loader)
     return clock

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from _harness import quiet_trainer
 
 import dplightning
 from dplightning.data import SST2DataModule
@@ -106,9 +107,8 @@ def main() -> None:
     strategy = dplightning.DPStrategy(max_grad_norm=0.1, **noise) if private else "auto"
     module = _module(args.train, 0.0 if args.what == "norms" else args.lr)
     data = SST2DataModule(str(DATA), tokenizer=MODEL, train_limit=args.train_limit, batch_size=args.batch_size)
-    trainer = pl.Trainer(
-        max_steps=1 if args.what == "norms" else args.steps, strategy=strategy, accelerator="cpu", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = quiet_trainer(
+        max_steps=1 if args.what == "norms" else args.steps, strategy=strategy, accelerator="cpu",
         callbacks=[_ReleasedNorms()] if args.what == "norms" else [],
     )  # fmt: skip
     start = time.perf_counter()

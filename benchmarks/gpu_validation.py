@@ -93,7 +93,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _harness import environment
+from _harness import environment, quiet_trainer
 from _outputs import default_result
 from engines import _HF, NUM_CLASSES, RUNNERS, Placement, Workload, train_runner
 from torch import Tensor, nn
@@ -656,7 +656,6 @@ def fit_config(ctx: Context, spec: ModelSpec, config: dict[str, Any], steps: int
     Measure it from outside (``with ctx.meter()``): the module and the Trainer are this call's
     locals, freed when it returns or once its exception (an out-of-memory error, say) is handled.
     """
-    import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
     import dplightning
@@ -670,10 +669,9 @@ def fit_config(ctx: Context, spec: ModelSpec, config: dict[str, Any], steps: int
     torch.manual_seed(0)
     with ctx.place.device:
         module = module_class(**init)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator=ctx.place.accelerator, devices=1, precision=ctx.place.precision, max_steps=steps,
-        strategy=dplightning.DPStrategy(**config["trainer"]["strategy"]["init_args"]), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=dplightning.DPStrategy(**config["trainer"]["strategy"]["init_args"]), num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(module, loader)
 
@@ -736,7 +734,6 @@ def muon_rows(ctx: Context) -> list[Row]:
 
 def run_muon(ctx: Context, spec: ModelSpec) -> dict[str, Any]:
     """Median step time, peak memory and r̂ of each arm; step-time ratios against DP-Adam with their targets."""
-    import lightning.pytorch as pl
     from _harness import StepClock
     from engines import Task
     from torch.utils.data import DataLoader
@@ -753,11 +750,10 @@ def run_muon(ctx: Context, spec: ModelSpec) -> dict[str, Any]:
                 task = Task(w.build(), w.language_model)
             task.configure_optimizers = lambda task=task, arm=arm: muon_optimizer(arm, task.parameters())  # type: ignore[method-assign]
             clock = StepClock(ctx.warmup + ctx.steps, sync=ctx.place.synchronize)
-            trainer = pl.Trainer(
+            trainer = quiet_trainer(
                 strategy=dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0),
                 accelerator=ctx.place.accelerator, devices=1, precision=ctx.place.precision, max_steps=1000,
-                logger=False, callbacks=[clock], enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, num_sanity_val_steps=0,
+                callbacks=[clock], num_sanity_val_steps=0,
             )  # fmt: skip
             trainer.fit(task, loader)
         step_ms = clock.step_ms(ctx.warmup)
@@ -1017,14 +1013,11 @@ def dpdm_net(sizes: dict[str, Any]) -> nn.Module:
 
 def dpdm_fit(ctx: Context, sizes: dict[str, Any], module: Any, steps: int, strategy: Any) -> float:
     """Train ``module`` for ``steps`` in fp32 on the row's data; the fit's seconds."""
-    import lightning.pytorch as pl
-
     data = dpdm_data(sizes)
     accumulate = max(1, math.ceil(sizes["batch"] / sizes["micro_batch"]))  # splits the Poisson batch, q unchanged
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy, accelerator=ctx.place.accelerator, devices=1, precision="32-true", max_steps=steps,
-        max_epochs=-1, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        max_epochs=-1, accumulate_grad_batches=accumulate, limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
     ctx.place.synchronize()
     start = time.perf_counter()

@@ -61,7 +61,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from _harness import StepClock, in_fresh_process, measured, summarise, write_report
+from _harness import StepClock, in_fresh_process, measured, quiet_trainer, summarise, write_report
 from _outputs import default_figures, default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -138,10 +138,7 @@ def _trainer(runner: str, steps: int, callbacks: list[pl.Callback]) -> pl.Traine
                 noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, verify_gradients="never",
                 clipping_engine="instantiate" if runner == "dp-adam-inst" else "auto",
             )  # fmt: skip
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-    )  # fmt: skip
+    return quiet_trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, callbacks=callbacks)
 
 
 def _quiet() -> None:

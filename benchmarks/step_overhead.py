@@ -39,7 +39,7 @@ import lightning.pytorch as pl
 import opacus
 import torch
 import torch.nn.functional as F
-from _harness import StepClock, in_fresh_process, measured, summarise, write_report
+from _harness import StepClock, in_fresh_process, measured, quiet_trainer, summarise, write_report
 from _outputs import default_result
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -112,9 +112,8 @@ def _clock_loop(loader: Iterable[Any], net: nn.Module, opt: torch.optim.Optimize
 def _fit(net: nn.Module, loader: DataLoader, steps: int, planned: int, strategy: Any) -> StepClock:
     """``Trainer.fit`` told to run ``planned`` steps, stopped after ``steps``; no logger, checkpoints or bars."""
     clock = StepClock(steps)
-    trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=max(planned, steps + 1), logger=False,
-        callbacks=[clock], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = quiet_trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=max(planned, steps + 1), callbacks=[clock],
         num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(Classifier(net), loader)
