@@ -43,7 +43,7 @@ def _epsilon_is_read(trainer: pl.Trainer) -> bool:
     """Whether anything reads the logged ε: a logger, the progress bar, or a callback monitoring ``epsilon``."""
     if trainer.loggers or trainer.progress_bar_callback is not None:
         return True
-    return any(getattr(cb, "monitor", None) == "epsilon" for cb in trainer.callbacks)
+    return any(getattr(cb, "monitor", None) == "epsilon" for cb in getattr(trainer, "callbacks", []))  # set at run time
 
 
 NONFINITE_METRIC = "nonprivate/nonfinite_examples"
