@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _harness import write_report
+from _harness import provenance, provenance_line, write_report
 from _outputs import default_result
 
 from dplightning.models import NCSNppUNet
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows = [measure(s) for s in SETTINGS]
     out = args.out or default_result("dpdm_regime.json")
     write_report(out, "dpdm_regime", 1, {"accountant": "prv"}, rows=rows)
-    out.with_suffix(".md").write_text(markdown(rows))
+    out.with_suffix(".md").write_text(markdown(rows) + "\n" + provenance_line(provenance(1)))
     print(markdown(rows))
     return rows
 

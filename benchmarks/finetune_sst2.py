@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-from _harness import environment
+from _harness import command, provenance
 from _outputs import default_result
 
 from dplightning.cli import build_cli
@@ -127,12 +126,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
-    fresh = {"command": " ".join(["python", *sys.argv]), "environment": environment(args.threads), "runs": []}
+    fresh = {**provenance(args.threads), "runs": []}
     results = json.loads(out.read_text()) if out.exists() else fresh
     for name in args.arms:
         settings = (args.seed, args.train_limit, args.noise_multiplier, args.pooling, args.lr, args.head_lr)
         row = run_arm(name, args.steps, args.batch_size, args.data, *settings, optimizer=args.optimizer)
-        row["command"] = " ".join(["python", *sys.argv])
+        row["command"] = command()
         results["runs"].append(row)
         out.write_text(json.dumps(results, indent=2) + "\n")  # after every arm: nothing lost if stopped
         print(json.dumps(row))

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-from _harness import environment
+from _harness import command, provenance
 from _outputs import default_result
 
 from dplightning.cli import build_cli
@@ -77,14 +76,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
-    fresh = {"command": " ".join(["python", *sys.argv]), "environment": environment(1), "runs": []}
+    fresh = {**provenance(1), "runs": []}
     results = json.loads(out.read_text()) if out.exists() else fresh
     for seed in args.seeds:
         for name in args.arms:
             grape = {"refresh_every": args.refresh_every, "projection_std": args.projection_std, "scale": args.scale}
             grape = {k: str(v) for k, v in grape.items() if v is not None}
             row = run_arm(name, seed, args.epochs, args.epsilon, args.lr, args.rank, grape)
-            row["command"] = " ".join(["python", *sys.argv])
+            row["command"] = command()
             results["runs"].append(row)
             out.write_text(json.dumps(results, indent=2) + "\n")  # after every run: nothing lost if stopped
             print(json.dumps(row), flush=True)

@@ -24,8 +24,10 @@ from dplightning.privacy.blt import fit_blt
 from dplightning.privacy.matrix_mechanism import Workload, expected_error, identity_strategy, optimize_banded
 
 try:
+    from benchmarks._harness import provenance
     from benchmarks._outputs import default_result
 except ImportError:  # run as a script from the repository root
+    from _harness import provenance
     from _outputs import default_result
 
 
@@ -77,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = measure(args.n, args.bands, args.buffers)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"n": args.n, "sigma": 1.0, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"n": args.n, "sigma": 1.0, "rows": rows, **provenance(1)}, indent=1))
     print(f"wrote {args.out}")
 
 

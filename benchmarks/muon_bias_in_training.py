@@ -59,7 +59,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-from _harness import environment
+from _harness import provenance
 from _outputs import default_result
 from torch import Tensor
 from tqdm import tqdm
@@ -657,11 +657,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "muon_bias_in_training",
         "public_data_only": PUBLIC_ONLY,
-        "command": " ".join(
-            ["python", *(sys.argv if argv is None else ["benchmarks/muon_bias_in_training.py", *argv])]
-        ),
+        **provenance(1, None if argv is None else [__file__, *argv]),
         "args": vars(args),
-        "environment": environment(1),
         "paper_form": paper_form(),
         "paper_form_skipped": skipped,
         "estimators": {

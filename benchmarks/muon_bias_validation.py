@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _harness import provenance
 from torch import Tensor
 from tqdm import tqdm
 
@@ -213,6 +214,7 @@ def main() -> None:
     if "v3" in args.only:
         report_v3(result, args)
     result["seconds"] = time.time() - start
+    result |= provenance(1)
     print(f"\n{result['seconds']:.0f} s")
     if args.out:
         with open(args.out, "w") as f:
