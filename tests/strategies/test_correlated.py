@@ -160,6 +160,44 @@ def test_released_noise_is_c_inverse_of_the_regenerated_white_noise(mechanism: s
     assert not np.allclose(track.updates()[1:], white[1:] / BATCH, rtol=1e-2, atol=1e-4)
 
 
+@pytest.mark.parametrize("sigma", [0.0, 0.8])
+@pytest.mark.parametrize("mechanism", ["band_mf", "blt"])
+def test_accumulating_micro_batches_equals_one_batch(mechanism: str, sigma: float) -> None:
+    """accumulate_grad_batches=k splits each sampled batch: same samples, same noise, same parameters as k = 1."""
+    extra = dict(bands=2) if mechanism == "band_mf" else dict(blt_buffers=1, cyclic_partitions=2)
+    finals = []
+    for k in (1, 2):
+        torch.manual_seed(0)
+        module, track = TinyModule(), _Track()
+        dp = strategy(noise_mechanism=mechanism, noise_multiplier=sigma, max_grad_norm=0.3, seed=3, **extra)
+        make_trainer(dp, max_steps=4, accumulate_grad_batches=k, callbacks=[track]).fit(
+            module, loader(make_dataset(N), BATCH)
+        )
+        assert dp.dp_state.steps == 4
+        finals.append(track.params[-1])
+    for name, value in finals[0].items():
+        torch.testing.assert_close(finals[1][name], value, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mechanism", ["band_mf", "blt"])
+def test_empty_batches_release_noise_only(mechanism: str) -> None:
+    """Expected batch 1 (q' = 2 x 1 / 400): about e⁻¹ of the steps sample nobody; each still releases its noise."""
+    sigma, c, steps, seed, partitions = 0.9, 0.7, 6, 5, 2
+    extra = dict(bands=partitions) if mechanism == "band_mf" else dict(blt_buffers=1, cyclic_partitions=partitions)
+    torch.manual_seed(0)
+    module, track = TinyModule(zero_loss=True), _Track()
+    dp = strategy(noise_mechanism=mechanism, noise_multiplier=sigma, max_grad_norm=c, seed=seed, **extra)
+    make_trainer(dp, max_steps=steps, callbacks=[track]).fit(module, loader(make_dataset(400), 1))
+    assert dp.dp_state.steps == steps and any(len(y) == 0 for _, y in module.batches)  # seeded: 1 of 6 here
+    updates = track.updates()
+    assert np.isfinite(updates).all() and (np.abs(updates).sum(1) > 0).all()  # noise on every step, empty or not
+    cmat = _banded_matrix(dp.noise_strategy.coefs, steps) if mechanism == "band_mf" else _blt_matrix(
+        dp.noise_strategy.theta, dp.noise_strategy.omega, steps
+    )
+    white = _white(seed, 0, updates.shape[1], steps, sigma * c * dp.noise_sensitivity)
+    np.testing.assert_allclose(updates, scipy.linalg.solve_triangular(cmat, white, lower=True), rtol=1e-4, atol=1e-6)
+
+
 def test_momentum_sgd_gets_the_momentum_workload() -> None:
     dp = strategy(noise_mechanism="band_mf", bands=2, noise_multiplier=1.0)
     module = TinyModule(zero_loss=True, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
