@@ -191,8 +191,10 @@ def test_empty_batches_release_noise_only(mechanism: str) -> None:
     assert dp.dp_state.steps == steps and any(len(y) == 0 for _, y in module.batches)  # seeded: 1 of 6 here
     updates = track.updates()
     assert np.isfinite(updates).all() and (np.abs(updates).sum(1) > 0).all()  # noise on every step, empty or not
-    cmat = _banded_matrix(dp.noise_strategy.coefs, steps) if mechanism == "band_mf" else _blt_matrix(
-        dp.noise_strategy.theta, dp.noise_strategy.omega, steps
+    cmat = (
+        _banded_matrix(dp.noise_strategy.coefs, steps)
+        if mechanism == "band_mf"
+        else _blt_matrix(dp.noise_strategy.theta, dp.noise_strategy.omega, steps)
     )
     white = _white(seed, 0, updates.shape[1], steps, sigma * c * dp.noise_sensitivity)
     np.testing.assert_allclose(updates, scipy.linalg.solve_triangular(cmat, white, lower=True), rtol=1e-4, atol=1e-6)
