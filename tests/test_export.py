@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from dplightning.data import TextFileDataModule
+from dplightning.export import load_module
 from dplightning.export import main as export_main
 from dplightning.strategies._dp import CHECKPOINT_KEY
-from dplightning.tasks import DPCausalLM
+from dplightning.tasks import CLASS_KEY, DPCausalLM
 from tests.helpers import dp, make_trainer
 from tests.tasks import hf_tiny
 
@@ -68,3 +69,17 @@ def test_export_refuses_a_ledger_that_contradicts_the_checkpoint(
     assert export_main(["--ckpt", str(tmp_path / "tampered.ckpt"), "--out", str(tmp_path / "out")]) == 3
     assert "the ledger charges 1 steps but the checkpoint's global_step is 2" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_naming_the_module_s_old_class_path_still_exports(
+    exported: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Checkpoints saved before ``modules/`` became ``tasks/`` (issue 26) store the old dotted path of their class."""
+    ckpt, _ = exported
+    checkpoint = torch.load(ckpt, weights_only=False)
+    assert checkpoint[CLASS_KEY] == "dplightning.tasks.causal_lm.DPCausalLM"
+    checkpoint[CLASS_KEY] = "dplightning.modules.causal_lm.DPCausalLM"
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    assert type(load_module(checkpoint)) is DPCausalLM
+    assert export_main(["--ckpt", str(tmp_path / "old.ckpt"), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "model" / "privacy.json").exists()
