@@ -24,9 +24,28 @@ def optimizer_overlay(init_args: Mapping[str, Any], class_path: str | None = Non
     return yaml.safe_dump({"model": {"init_args": {"optimizer": optimizer}}}, sort_keys=True)
 
 
+# Renamed packages whose old path still imports the same classes (issue 26: ``modules/`` became ``tasks/``).
+RENAMED = {"dplightning.tasks.": "dplightning.modules."}
+
+
 def config_digest(path: str | Path) -> str:
     """The parsed config at ``path`` (relative to the repository root; comments ignored), as sorted JSON.
 
-    Part of an experiment's settings, so that a changed config cannot resume an old record.
+    Part of an experiment's settings, so that a changed config cannot resume an old record. A class path
+    under a renamed package is written by its old name (:data:`RENAMED`): it names the same class, and the
+    records made before the rename keep their identity.
     """
-    return json.dumps(yaml.safe_load((ROOT / path).read_text()), sort_keys=True)
+    return json.dumps(_old_names(yaml.safe_load((ROOT / path).read_text())), sort_keys=True)
+
+
+def _old_names(value: Any) -> Any:
+    """``value`` (a parsed config) with every string that starts with a renamed package's new path given its old."""
+    if isinstance(value, dict):
+        return {key: _old_names(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_old_names(item) for item in value]
+    if isinstance(value, str):
+        for new, old in RENAMED.items():
+            if value.startswith(new):
+                return old + value[len(new) :]
+    return value
