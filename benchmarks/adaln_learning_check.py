@@ -52,7 +52,7 @@ from dplightning.data import ETTDataModule
 from dplightning.data.ett import WindowDataset
 from dplightning.metrics.crps import quantile_crps
 from dplightning.models import TimeSeriesDiT
-from dplightning.modules import DPTimeSeriesDiffusion
+from dplightning.tasks import DPTimeSeriesDiffusion
 
 INPUT, HORIZON = 96, 96
 LAYOUTS: dict[str, dict[str, Any]] = {  # name -> TimeSeriesDiT options

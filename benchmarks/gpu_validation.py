@@ -151,7 +151,7 @@ class ModelSpec:
     @property
     def vocab(self) -> int:
         """The vocabulary, the config's default included (``GPT2Config()``'s 50257)."""
-        from dplightning.modules.hf import build_config
+        from dplightning.models.hf import build_config
 
         return int(build_config(self.config).vocab_size)
 
@@ -210,7 +210,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """The spec's model with random weights (seeded by the caller), wrapped to return logits."""
     import transformers
 
-    from dplightning.modules.hf import build_config
+    from dplightning.models.hf import build_config
 
     config = build_config(spec.config)
     if spec.kind == "causal_lm":
@@ -223,7 +223,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
 def workload(spec: ModelSpec) -> Workload:
     """The spec as an ``engines.py`` workload (random inputs; token ids avoid RoBERTa's specials 0-2)."""
     if spec.kind == "image":
-        from dplightning.modules.hf import build_config
+        from dplightning.models.hf import build_config
 
         config = build_config(spec.config)
         size, channels = int(config.image_size), int(config.num_channels)
@@ -637,7 +637,7 @@ def planner_config(spec: ModelSpec, place: Placement) -> dict[str, Any]:
     return {
         "trainer": {"accelerator": place.accelerator, "devices": 1, "precision": place.precision,
                     "strategy": {"class_path": "dplightning.DPStrategy", "init_args": strategy}},
-        "model": {"class_path": f"dplightning.modules.{module}", "init_args": init},
+        "model": {"class_path": f"dplightning.tasks.{module}", "init_args": init},
         "data": {"init_args": {"batch_size": spec.batch, "max_length": spec.tokens}},
     }  # fmt: skip
 
@@ -659,12 +659,12 @@ def fit_config(ctx: Context, spec: ModelSpec, config: dict[str, Any], steps: int
     from torch.utils.data import DataLoader
 
     import dplightning
-    from dplightning import modules
+    from dplightning import tasks
 
     init = dict(config["model"]["init_args"])
     if "optimizer" in init:  # the {class_path, init_args} mapping the CLI and the planner read, as a factory
         init["optimizer"] = _optimizer_factory(init["optimizer"])
-    module_class = getattr(modules, config["model"]["class_path"].rsplit(".", 1)[1])
+    module_class = getattr(tasks, config["model"]["class_path"].rsplit(".", 1)[1])
     loader = DataLoader(_token_rows(spec, spec.batch * (steps + 1)), batch_size=spec.batch, shuffle=True)  # type: ignore[arg-type]
     torch.manual_seed(0)
     with ctx.place.device:
@@ -828,7 +828,7 @@ def opt_spec(small: bool) -> ModelSpec:
 
 def _weight_elements(config: dict[str, Any]) -> float:
     """Matrix elements of a transformer config (layers x (4 h² + 2 h f) + vocabulary x h), to scale step times."""
-    from dplightning.modules.hf import build_config
+    from dplightning.models.hf import build_config
 
     c = build_config(config)
     h = int(c.hidden_size)
@@ -1028,7 +1028,7 @@ def dpdm_fit(ctx: Context, sizes: dict[str, Any], module: Any, steps: int, strat
 
 def dpdm_module(sizes: dict[str, Any], k: int) -> Any:
     """DPDM with ``k`` noise draws per image, DDIM sampling, Adam 3e-4 (the paper's)."""
-    from dplightning.modules import DPDiffusion
+    from dplightning.tasks import DPDiffusion
 
     torch.manual_seed(0)
     return DPDiffusion(dpdm_net(sizes), noise_multiplicity=k, sampler="ddim", sampling_steps=sizes["sampling_steps"],
@@ -1066,7 +1066,7 @@ def run_dpdm_row(ctx: Context, sizes: dict[str, Any], limit_s: float) -> dict[st
     import dplightning
     from dplightning.data.synthetic import balanced_labels
     from dplightning.evaluation.synthetic import dataset_tensors
-    from dplightning.modules import ImageClassifier
+    from dplightning.tasks import ImageClassifier
 
     started = time.monotonic()
     data = dpdm_data(sizes)

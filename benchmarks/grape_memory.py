@@ -226,7 +226,7 @@ def planned_mib(model: str, runner: str, batch: int, rank: int) -> float | None:
     config = {
         "trainer": {"accelerator": "cpu", "precision": "32-true",
                     "strategy": {"class_path": "dplightning.DPStrategy", "init_args": strategy}},
-        "model": {"class_path": "dplightning.modules.DPSequenceClassifier",
+        "model": {"class_path": "dplightning.tasks.DPSequenceClassifier",
                   "init_args": {"config": dict(MODELS["roberta"]), "num_labels": 10, "optimizer": optimizer}},
         "data": {"init_args": {"batch_size": batch, "max_length": TOKENS}},
     }  # fmt: skip
