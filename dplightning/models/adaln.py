@@ -49,6 +49,31 @@ def project_l2_ball(c: Tensor, c_max: float | None) -> Tensor:
     return c * torch.clamp(c_max / (norm + _NORM_EPS), max=1.0)
 
 
+class L2BallProjection(nn.Module):
+    """:func:`project_l2_ball` as a module, so that a forward hook sees the pre-projection c̃ (its input).
+
+    It has no parameters or buffers: a network's ``state_dict`` is the same with it as without it.
+
+    Args:
+        c_max: The radius; ``None``: the identity.
+    """
+
+    def __init__(self, c_max: float | None = None) -> None:
+        super().__init__()
+        if c_max is not None and not c_max > 0:
+            raise ValueError(f"c_max must be positive or None, got {c_max}.")
+        self.c_max = c_max
+
+    def forward(self, c: Tensor) -> Tensor:
+        return project_l2_ball(c, self.c_max)
+
+    def extra_repr(self) -> str:
+        return f"c_max={self.c_max}"
+
+
+ModulationKind = Literal["gamma", "beta", "alpha"]
+
+
 def modulate(h: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     """DiT's ``h (1 + scale) + shift`` with one ``[B, d]`` modulation per example, broadcast over tokens."""
     return h * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
@@ -78,6 +103,10 @@ class ModulationBounds:
         if self.mode not in ("soft", "hard"):
             raise ValueError(f"mode must be 'soft' or 'hard', got {self.mode!r}.")
 
+    def limit(self, kind: ModulationKind) -> float | None:
+        """The bound of ``kind`` (``"gamma"``, ``"beta"`` or ``"alpha"``)."""
+        return {"gamma": self.gamma_max, "beta": self.beta_max, "alpha": self.alpha_max}[kind]
+
     def shift(self, x: Tensor) -> Tensor:
         return bound(x, self.beta_max, self.mode)
 
@@ -86,6 +115,11 @@ class ModulationBounds:
 
     def gate(self, x: Tensor) -> Tensor:
         return bound(x, self.alpha_max, self.mode)
+
+
+def modulation_chunks(raw: Tensor, kinds: tuple[ModulationKind, ...]) -> list[tuple[ModulationKind, Tensor]]:
+    """Each chunk of a raw (pre-bound) ``adaLN_modulation`` output ``[B, n·d]`` with its kind (``MODULATION_KINDS``)."""
+    return list(zip(kinds, raw.chunk(len(kinds), dim=-1), strict=True))
 
 
 def _mlp(d: int, mlp_ratio: float) -> nn.Sequential:
@@ -105,6 +139,9 @@ class AdaLNZeroBlock(nn.Module):
         mlp_ratio: MLP width / d.
         bounds: Bounds of (γ, β, α); the default (all ``None``) is plain AdaLN-Zero.
     """
+
+    MODULATION_KINDS: tuple[ModulationKind, ...] = ("beta", "gamma", "alpha", "beta", "gamma", "alpha")
+    """What each of the ``adaLN_modulation`` output's chunks is, in DiT's order (shift, scale, gate; twice)."""
 
     def __init__(self, d: int, heads: int, mlp_ratio: float = 4.0, bounds: ModulationBounds | None = None) -> None:
         super().__init__()
@@ -140,6 +177,9 @@ class AdaLNFinalLayer(nn.Module):
         out: Output features per token.
         bounds: Bounds of (γ, β); the gate bound is unused here.
     """
+
+    MODULATION_KINDS: tuple[ModulationKind, ...] = ("beta", "gamma")
+    """What each of the ``adaLN_modulation`` output's chunks is (shift, scale)."""
 
     def __init__(self, d: int, out: int, bounds: ModulationBounds | None = None) -> None:
         super().__init__()

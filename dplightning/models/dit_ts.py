@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from dplightning.models.adaln import AdaLNFinalLayer, AdaLNZeroBlock, BoundMode, ModulationBounds, project_l2_ball
+from dplightning.models.adaln import AdaLNFinalLayer, AdaLNZeroBlock, BoundMode, L2BallProjection, ModulationBounds
 from dplightning.models.embeddings import TimestepEmbedder, sinusoidal_embedding
 
 ContextPath = Literal["tokens_and_c", "c_only"]
@@ -130,8 +130,6 @@ class TimeSeriesDiT(nn.Module):
         window: int | None = None,
     ) -> None:
         super().__init__()
-        if c_max is not None and not c_max > 0:
-            raise ValueError(f"c_max must be positive or None, got {c_max}.")
         _check_choice("context_path", context_path, CONTEXT_PATHS)
         _check_choice("project", project, PROJECTIONS)
         _check_choice("context_encoder", context_encoder, CONTEXT_ENCODERS)
@@ -142,7 +140,7 @@ class TimeSeriesDiT(nn.Module):
         self.num_features = num_features
         self.position_dim = position_dim
         self.patch_size = patch_size
-        self.c_max = c_max
+        self.projection = L2BallProjection(c_max)  # a module: a forward hook sees c̃ (bind statistics)
         bounds = ModulationBounds(gamma_max, beta_max, alpha_max, bound_mode)
         self.token_channels = 3 if context_path == "tokens_and_c" else 2  # (observed,) noisy, mask per variable
         self.x_embedder = nn.Linear(self.token_channels * num_features * patch_size + position_dim, hidden)
@@ -155,6 +153,11 @@ class TimeSeriesDiT(nn.Module):
         self.blocks = nn.ModuleList(AdaLNZeroBlock(hidden, heads, mlp_ratio, bounds) for _ in range(depth))
         self.final_layer = AdaLNFinalLayer(hidden, num_features * patch_size, bounds)
         self.init_weights()
+
+    @property
+    def c_max(self) -> float | None:
+        """The radius of the condition's L2 ball (``None``: no projection)."""
+        return self.projection.c_max
 
     def init_weights(self) -> None:
         """DiT's init: xavier-uniform Linears, zero biases, N(0, 0.02) timestep MLP, zero modulation and output."""
@@ -174,8 +177,8 @@ class TimeSeriesDiT(nn.Module):
         """
         t_emb, ctx = self.t_embedder(t), self.ctx_encoder(observed, cond_mask)
         if self.project == "ctx":
-            return t_emb + project_l2_ball(ctx, self.c_max)
-        return project_l2_ball(t_emb + ctx, self.c_max)
+            return t_emb + self.projection(ctx)
+        return self.projection(t_emb + ctx)
 
     def token_inputs(self, noisy: Tensor, observed: Tensor, cond_mask: Tensor) -> Tensor:
         """What ``x_embedder`` reads, ``[B, L / patch_size, channels·K·patch_size + position_dim]``.

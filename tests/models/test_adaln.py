@@ -12,8 +12,10 @@ from torch import Tensor
 from dplightning.models.adaln import (
     AdaLNFinalLayer,
     AdaLNZeroBlock,
+    L2BallProjection,
     ModulationBounds,
     bound,
+    modulation_chunks,
     project_l2_ball,
 )
 
@@ -166,3 +168,32 @@ def test_modulation_weight_gradient_is_bounded_by_c_max() -> None:
     weight_grad = block.adaLN_modulation[1].weight.grad
     torch.testing.assert_close(weight_grad, torch.outer(raw.grad[0], F.silu(c[0])))
     assert weight_grad.norm() <= raw.grad.norm() * c_max * (1 + 1e-6)
+
+
+# ------------------------------------------------------------------ what bind statistics hook into
+
+
+def test_the_projection_module_is_the_function_has_no_state_and_its_hook_sees_c_tilde() -> None:
+    c = torch.randn(6, D) * torch.logspace(-2, 3, 6).unsqueeze(1)
+    projection = L2BallProjection(4.0)
+    seen: list[Tensor] = []
+    projection.register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
+    assert torch.equal(projection(c), project_l2_ball(c, 4.0))
+    assert seen[0] is c  # the hook gets c̃ itself, before the projection
+    assert L2BallProjection(None)(c) is c and not projection.state_dict()
+    with pytest.raises(ValueError, match="c_max must be positive or None"):
+        L2BallProjection(0.0)
+
+
+@pytest.mark.parametrize("layer", [AdaLNZeroBlock(D, HEADS), AdaLNFinalLayer(D, 3)], ids=["block", "final"])
+def test_modulation_kinds_name_the_chunks_in_dit_order(layer: AdaLNZeroBlock | AdaLNFinalLayer) -> None:
+    """γ ↔ scale, β ↔ shift, α ↔ gate: each raw chunk, bounded by its own limit, is what ``modulation`` returns."""
+    randomise_modulation(layer, std=2.0)
+    layer.bounds = ModulationBounds(gamma_max=0.5, beta_max=1.5, alpha_max=3.0, mode="hard")
+    c = torch.randn(B, D)
+    raw = layer.adaLN_modulation(c)
+    expected = [bound(chunk, layer.bounds.limit(kind), "hard") for kind, chunk in
+                modulation_chunks(raw, layer.MODULATION_KINDS)]  # fmt: skip
+    for got, want in zip(layer.modulation(c), expected, strict=True):
+        assert torch.equal(got, want)
+    assert layer.bounds.limit("gamma") == 0.5 and layer.bounds.limit("alpha") == 3.0

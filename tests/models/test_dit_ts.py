@@ -53,6 +53,18 @@ def test_condition_is_projected_for_extreme_contexts_and_untouched_without_c_max
     assert torch.equal(c_raw, raw)
 
 
+def test_the_projection_is_a_stateless_module_the_condition_calls() -> None:
+    """The ball is a module (a forward hook can count where it binds) that adds nothing to the state_dict."""
+    aware = tiny(**AWARE)
+    assert aware.c_max == math.sqrt(D) and aware.projection.c_max == aware.c_max and tiny().c_max is None
+    assert not any(key.startswith("projection") for key in aware.state_dict())
+    _, observed, cond, t = inputs(4)
+    seen: list[Tensor] = []
+    aware.projection.register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
+    aware.condition(t, observed, cond)
+    torch.testing.assert_close(seen[0], aware.t_embedder(t) + aware.ctx_encoder(observed, cond))
+
+
 def test_conditioning_patterns_name_the_conditioning_path() -> None:
     names = [n for n, _ in tiny().named_parameters()]
     cond = [n for n in names if any(fnmatch.fnmatch(n, p) for p in CONDITIONING_PATTERNS)]
