@@ -241,15 +241,22 @@ class PrivateStep:
         grads = hooks.pop(self._rows_per_unit)
         if self.verification.active:
             self.verification.check(self.module, self.privatizer.params, grads, self.transforms, self._batch_units)
+        # Before the coupling probe, whose forward would otherwise hold them: nothing reads them after the check.
+        self._drop_weight_grads()
         if self._probe is not None:
             self._check_coupling(grads)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad = None  # the raw sum is not private; only the released gradient may reach the optimizer
         if automatic:
             self._clip(grads, scale)
         else:
             self.accumulation.add(grads, scale)
+
+    def _drop_weight_grads(self) -> None:
+        """Set every ``p.grad`` to ``None``.
+
+        Autograd's raw sum is not private: only the released gradient may reach the optimizer.
+        """
+        for p in self.module.parameters():
+            p.grad = None
 
     def _on_layer_done(self, layer: nn.Module) -> None:
         if not self._early or layer not in self._local_groups:
@@ -292,6 +299,7 @@ class PrivateStep:
             self.probing = False
             replayed = hooks.pop(self._rows_per_unit)
             set_rng_state(after)
+            self._drop_weight_grads()  # the probe's backward wrote them again (verified steps)
         if units < 2 or loss is None:
             return
         differing = coupled_parameters(grads, replayed, probe.kept)

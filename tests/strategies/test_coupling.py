@@ -147,3 +147,20 @@ def test_verify_gradients_never_turns_the_probe_off() -> None:
     module = LossOf(_mlp(), centred)
     _fit(module, _data(_x(6)), verify_gradients="never")  # trains on a coupled loss: the user's choice
     assert len(module.batches) == 2
+
+
+def test_the_probe_runs_without_autograd_gradients_and_a_refusal_leaves_none() -> None:
+    # The real step's p.grad is only read by the gradient verification, before the probe: held
+    # through the probe's forward it raised the peak by a model's size (memory_plan_check.py).
+    held: list[bool] = []
+
+    def watched(net, x, y):
+        out = net(x)
+        if module.trainer.strategy.probing:
+            held.append(any(p.grad is not None for p in net.parameters()))
+        return F.cross_entropy(out - out.mean(0), y)
+
+    module = LossOf(_mlp(), watched)
+    _assert_refused(module, _data(_x(6)))
+    assert held == [False]
+    assert all(p.grad is None for p in module.parameters())  # autograd's raw sum is not private
