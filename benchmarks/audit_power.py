@@ -5,9 +5,9 @@ Run (the table in docs/trust.md; CPU, one thread)::
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/audit_power.py --seeds 10 \
         --out benchmarks/results/audit_power_cpu.json
 
-Each row runs :func:`dplightning.audit.audit` with its defaults (10,000 Dirac canaries, 50
+Each row runs :func:`dplightning.commands.audit.audit` with its defaults (10,000 Dirac canaries, 50
 steps, σ = 1, C = 1, q ≈ 0.02, δ = 10⁻⁶, 95% confidence, k₊ = 200) on ``--seeds`` seeds, with
-the mechanism broken by :func:`dplightning.audit.sabotaged` while the accountant keeps
+the mechanism broken by :func:`dplightning.commands.audit.sabotaged` while the accountant keeps
 claiming the full guarantee. "true ε" is the accountant's ε for the mechanism that actually
 ran (noise σ·f, or clipping at f·C, which is noise σ/f relative to the sensitivity f·C);
 infinite (``null`` in the JSON) without noise or clipping. A run is flagged when its lower
@@ -28,7 +28,7 @@ import torch
 from _harness import write_report
 from _outputs import default_result
 
-from dplightning.audit import AuditResult, audit
+from dplightning.commands.audit import AuditResult, audit
 from dplightning.privacy.accounting import compute_epsilon
 
 # The score is scale-free (fitted shift and noise), so clipping at f·C reads exactly like noise σ/f.

@@ -98,7 +98,7 @@ from grape_digits import evaluate, memoised_calibration
 from dplightning import DPStrategy
 from dplightning.data import DigitsDataModule
 from dplightning.models import SmallCNN
-from dplightning.modules import ImageClassifier
+from dplightning.tasks import ImageClassifier
 from dplightning.privacy.matrix_mechanism import Workload, expected_error, identity_strategy
 from dplightning.strategies import DPState
 from dplightning.strategies.correlated import describe_workload, workload_of

@@ -17,7 +17,7 @@ Pre-registered design (fixed before any run; the protocol of ``_protocol.py``; i
   images, 16 (σ, n) draws per image from a generator seeded 12,345 (the same draws for every arm
   and seed), labels kept. On ``split="test"`` also: 1,000 class-balanced samples (DDIM, 50 steps,
   sampling seed = run seed) scored by the converged downstream protocol
-  (``dplightning.metrics.synthetic``: 2,000 Adam steps, checkpoint chosen on a hold-out of the
+  (``dplightning.evaluation.synthetic``: 2,000 Adam steps, checkpoint chosen on a hold-out of the
   *synthetic* set, the real test split only scores): ``accuracy`` (the CNN) and ``acc_logreg``;
   ``fid_local`` against the real test images with ``LocalFeatures`` trained on the real train
   split (local features, NOT comparable to Inception FID).
@@ -102,7 +102,7 @@ from dplightning.evaluation.synthetic import (
     real_data_ceiling,
 )
 from dplightning.models import NCSNppUNet, SmallCNN
-from dplightning.modules import DPDiffusion, ImageClassifier
+from dplightning.tasks import DPDiffusion, ImageClassifier
 
 NET = {"nf": 8, "ch_mult": (1, 2), "num_res_blocks": 1, "attn_resolutions": ()}
 STEPS, BATCH, MAX_GRAD_NORM, ACCOUNTANT = 200, 256, 1.0, "prv"

@@ -1052,7 +1052,7 @@ def dpdm_steps(ctx: Context, sizes: dict[str, Any], limit_s: float, started: flo
 
 def dpdm_classifier(images: Tensor, labels: Tensor, test: tuple[Tensor, Tensor], steps: int) -> float:
     """The paper's CNN trained on ``images`` under the converged protocol (on their device); real-test accuracy."""
-    from dplightning.metrics.synthetic import Protocol, accuracy, fit_classifier, mnist_cnn
+    from dplightning.evaluation.synthetic import Protocol, accuracy, fit_classifier, mnist_cnn
 
     torch.manual_seed(0)
     cnn = mnist_cnn() if images.shape[-1] == 28 else None
@@ -1099,7 +1099,7 @@ def run_dpdm_row(ctx: Context, sizes: dict[str, Any], limit_s: float) -> dict[st
         }  # fmt: skip
         del module, images
         _release_memory()
-    from dplightning.metrics.synthetic import mnist_cnn
+    from dplightning.evaluation.synthetic import mnist_cnn
     from dplightning.models import SmallCNN
 
     torch.manual_seed(0)
