@@ -14,6 +14,13 @@ The normalisation statistics are computed from the training rows and are **not p
 for a strict end-to-end guarantee pass ``mean``/``std`` from public data. The data module
 declares both (``dp_privacy_unit`` with the window and stride, ``dp_not_covered``), and
 checkpoints, ``privacy-report`` and exports state them.
+
+**Faults** (``fault_rate``, ``test_fault_rate``; :mod:`dplightning.data.faults`). An optional, pre-registered
+fault process puts level, unit and missing-channel faults into one channel's whole context of exactly
+``round(p·N)`` training (and, separately, test) windows, chosen with the kind, channel and size from the
+public ``fault_seed`` alone, never from a data value. The targets stay clean. Each fault is a per-window
+transform with public randomness, so the privacy unit is still one training window and ``dp_privacy_unit``
+is unchanged. With a fault rate of 0 (the default) the windows are exactly those without the option.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from dplightning.data.faults import FaultedWindows, FaultKind, FaultProcess
 from dplightning.privacy.provenance import PrivacyUnit
 
 Task = Literal["imputation", "forecasting"]
@@ -98,6 +106,14 @@ class ETTDataModule(pl.LightningDataModule):
         mean: Per-channel mean to normalise with (public statistics); ``None``: train split.
         std: Per-channel std, given together with ``mean``.
         num_workers: DataLoader workers.
+        fault_rate: Share of the training windows given a fault (:mod:`dplightning.data.faults`; the
+            pre-registered values are 0.01 and 0.03). 0: the training windows are the plain tensors.
+        test_fault_rate: The same process on the test windows (its own plan from the same seed); 1.0
+            evaluates on faulted windows only. 0: plain test windows. Validation windows are never faulted.
+        fault_seed: The public seed of the fault plans.
+        fault_kinds: The kinds drawn from: ``level``, ``unit``, ``missing``.
+        fault_level_range: (low, high) of a level fault's size, in train standard deviations.
+        fault_unit_factors: The factors a unit fault draws from.
     """
 
     def __init__(
@@ -115,6 +131,12 @@ class ETTDataModule(pl.LightningDataModule):
         mean: list[float] | None = None,
         std: list[float] | None = None,
         num_workers: int = 0,
+        fault_rate: float = 0.0,
+        test_fault_rate: float = 0.0,
+        fault_seed: int = 0,
+        fault_kinds: tuple[FaultKind, ...] = ("level", "unit", "missing"),
+        fault_level_range: tuple[float, float] = (5.0, 20.0),
+        fault_unit_factors: tuple[float, ...] = (10.0,),
     ) -> None:
         super().__init__()
         if task not in ("forecasting", "imputation"):
@@ -135,6 +157,17 @@ class ETTDataModule(pl.LightningDataModule):
         self.mean = torch.tensor(mean, dtype=torch.float64) if mean is not None else None
         self.std = torch.tensor(std, dtype=torch.float64) if std is not None else None
         self.splits: dict[str, Tensor] = {}
+        low, high = fault_level_range
+
+        def faults(rate: float) -> FaultProcess:
+            return FaultProcess(rate, fault_seed, tuple(fault_kinds), (low, high), tuple(fault_unit_factors))
+
+        self.train_faults, self.test_faults = faults(fault_rate), faults(test_fault_rate)
+
+    @property
+    def context_len(self) -> int:
+        """Rows of a window that are context (faults stay there): the input of a forecast, all of an imputation."""
+        return self.input_len if self.task == "forecasting" else self.window
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
@@ -149,9 +182,17 @@ class ETTDataModule(pl.LightningDataModule):
         normalised = (data - self.mean) / self.std
         self.splits = {name: normalised[lo:hi] for name, (lo, hi) in borders.items()}
         hp = self.hparams
-        self.train_set = WindowDataset(self.splits["train"], self.window, hp.train_stride)
+        train_windows = WindowDataset(self.splits["train"], self.window, hp.train_stride)
+        self.train_set = self.with_faults(train_windows, self.train_faults, "train")
         self.val_set = WindowDataset(self.splits["val"], self.window, max_windows=hp.max_val_windows)
-        self.test_set = WindowDataset(self.splits["test"], self.window, max_windows=hp.max_test_windows)
+        test_windows = WindowDataset(self.splits["test"], self.window, max_windows=hp.max_test_windows)
+        self.test_set = self.with_faults(test_windows, self.test_faults, "test")
+
+    def with_faults(self, windows: WindowDataset, process: FaultProcess, stream: str) -> WindowDataset | FaultedWindows:
+        """``windows`` themselves at a fault rate of 0 (the plain tensors), else wrapped in the fault process."""
+        if process.rate == 0:
+            return windows
+        return FaultedWindows(windows, process, self.context_len, windows.series.shape[1], stream)
 
     @property
     def dp_privacy_unit(self) -> PrivacyUnit:

@@ -72,6 +72,10 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
     privacy unit is one training window (:class:`~dplightning.data.ETTDataModule` declares
     its length and stride, and how many windows one row lies in, to checkpoints and reports).
 
+    A batch may also be an ``(X, M_obs, Y)`` triple (:class:`~dplightning.data.faults.FaultedWindows`):
+    the model is given ``X`` (with faults in its context) and its targets are taken from the clean ``Y``,
+    in training, validation and test alike.
+
     Privacy contract: the training loss is logged as ``nonprivate/train_loss`` (it comes
     from the private batch). ``val_loss`` (denoising loss on fixed noise) and the test
     metrics come from held-out windows. Test metrics, on the hidden points only: MSE, RMSE
@@ -171,11 +175,25 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
 
     @staticmethod
     def unpack(batch: Batch) -> tuple[Tensor, Tensor]:
-        """``(X, M_obs)`` from a window tensor (fully observed) or an ``(X, M_obs)`` pair."""
+        """``(X, M_obs)`` from a window tensor (fully observed), an ``(X, M_obs)`` pair or a faulted triple."""
+        x, observed, _ = DPTimeSeriesDiffusion.unpack_windows(batch)
+        return x, observed
+
+    @staticmethod
+    def unpack_windows(batch: Batch) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(X, M_obs, Y)``: the values the model is given, their mask and the clean values it is scored on.
+
+        ``Y`` is ``None`` (score on ``X``) for a window tensor or an ``(X, M_obs)`` pair; an
+        ``(X, M_obs, Y)`` triple (:class:`~dplightning.data.faults.FaultedWindows`) has faults in ``X``
+        and the clean window in ``Y``, so that the targets stay clean.
+        """
         if isinstance(batch, Tensor):
-            return batch, torch.ones_like(batch)
+            return batch, torch.ones_like(batch), None
+        if len(batch) == 3:
+            x, observed, target = batch
+            return x, observed.to(x.dtype), target
         x, observed = batch
-        return x, observed.to(x.dtype)
+        return x, observed.to(x.dtype), None
 
     def conditioning_mask(self, observed_mask: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """M_c for training: the horizon hidden (forecasting) or a random share hidden (imputation)."""
@@ -207,9 +225,26 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
         return a.sqrt() * out + (1 - a).sqrt() * x_t
 
     def per_example_loss(
-        self, x: Tensor, observed_mask: Tensor, cond_mask: Tensor, generator: torch.Generator | None = None
+        self,
+        x: Tensor,
+        observed_mask: Tensor,
+        cond_mask: Tensor,
+        generator: torch.Generator | None = None,
+        target: Tensor | None = None,
     ) -> Tensor:
-        """The masked ε-regression loss of every window (``[B]``), with t and ε drawn per example."""
+        """The masked ε-regression loss of every window (``[B]``), with t and ε drawn per example.
+
+        Args:
+            x: The windows as given to the model (the conditioning values; faulted, if faults are on).
+            observed_mask: M_obs.
+            cond_mask: M_c.
+            generator: Draws t and ε (``None``: the global generator).
+            target: Clean windows, whose values the target points (M_obs − M_c) take (``None``: ``x``'s own).
+        """
+        if target is not None:
+            # The targets (observed, not given) clean; every other point as the data has it (a missing
+            # channel keeps its fill value: its clean values must not reach the model through x_t).
+            x = torch.where((observed_mask - cond_mask).bool(), target, x)
         offset = self.offset(x, cond_mask)
         if offset is not None:
             x = x - offset
@@ -225,14 +260,16 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        x, observed = self.unpack(batch)
-        return training_loss(self, self.per_example_loss(x, observed, self.conditioning_mask(observed)))
+        x, observed, target = self.unpack_windows(batch)
+        cond = self.conditioning_mask(observed)
+        return training_loss(self, self.per_example_loss(x, observed, cond, target=target))
 
     @override
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        x, observed = self.unpack(batch)
+        x, observed, target = self.unpack_windows(batch)
         generator = torch.Generator().manual_seed(self.eval_seed + batch_idx)  # same t and ε every epoch
-        losses = self.per_example_loss(x, observed, self.evaluation_mask(observed, batch_idx), generator)
+        cond = self.evaluation_mask(observed, batch_idx)
+        losses = self.per_example_loss(x, observed, cond, generator, target)
         self.log("val_loss", losses.mean(), prog_bar=True, batch_size=len(losses))
 
     def scaler(self) -> tuple[Tensor, Tensor] | None:
@@ -262,9 +299,10 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
 
     @override
     def test_step(self, batch: Batch, batch_idx: int) -> None:
-        x, observed = self.unpack(batch)
+        given, observed, target = self.unpack_windows(batch)
         cond = self.evaluation_mask(observed, batch_idx)
-        samples = self.sample(x, cond)
+        samples = self.sample(given, cond)
+        x = given if target is None else target  # scored on the clean values (faulted test windows)
         target_mask = observed - cond
         hidden = target_mask.bool()
         median = samples.median(dim=0).values
@@ -281,10 +319,11 @@ class DPTimeSeriesDiffusion(pl.LightningModule):
 
     @override
     def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, Tensor]:
-        x, observed = self.unpack(batch)
+        given, observed, target = self.unpack_windows(batch)
         cond = self.evaluation_mask(observed, batch_idx)
-        samples = self.sample(x, cond)
-        return {"samples": samples, "median": samples.median(dim=0).values, "cond_mask": cond, "target": x}
+        samples = self.sample(given, cond)
+        clean = given if target is None else target
+        return {"samples": samples, "median": samples.median(dim=0).values, "cond_mask": cond, "target": clean}
 
     # ------------------------------------------------------------------ sampling
 

@@ -337,3 +337,87 @@ def test_v_parameterisation_regresses_v_and_gives_the_sampler_the_implied_noise(
     assert torch.equal(eps_module.predict_eps(x_t, x, cond, t), v)  # "eps": the output is ε̂ itself
     with pytest.raises(ValueError, match="parameterization must be 'eps' or 'v'"):
         DPTimeSeriesDiffusion(Constant(v), parameterization="x0")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ faulted windows: (X, M_obs, Y) batches
+
+
+class Recorder(torch.nn.Module):
+    """A stand-in network that records what it is given and returns zeros (plus a parameter, for a graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(()))
+        self.calls: list[tuple[torch.Tensor, ...]] = []
+
+    def forward(self, noisy: torch.Tensor, observed: torch.Tensor, cond: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        self.calls.append((noisy, observed, cond))
+        return torch.zeros_like(noisy) + self.bias
+
+
+@pytest.mark.parametrize("center", ["none", "context_mean"])
+def test_a_faulted_triple_conditions_on_the_faults_and_regresses_the_clean_targets(center: str) -> None:
+    clean = torch.randn(2, 12, 7, generator=torch.Generator().manual_seed(0))
+    observed = torch.ones_like(clean)
+    given = clean.clone()
+    given[0, :, 3] += 9.0  # a level fault over the whole window (an imputation context)
+    given[1, :, 5], observed[1, :, 5] = 0.0, 0.0  # a missing channel
+    cond = random_missing_mask(observed, torch.Generator().manual_seed(1))
+    targets = (observed - cond).bool()
+    net = Recorder()
+    module = DPTimeSeriesDiffusion(net, task="imputation", center=center)  # type: ignore[arg-type]
+    loss = module.per_example_loss(given, observed, cond, torch.Generator().manual_seed(2), clean)
+    mixed = torch.where(targets, clean, given)  # given points as seen, target points clean, the rest as given
+    net_ref = Recorder()
+    reference = DPTimeSeriesDiffusion(net_ref, task="imputation", center=center)  # type: ignore[arg-type]
+    torch.testing.assert_close(
+        loss, reference.per_example_loss(mixed, observed, cond, torch.Generator().manual_seed(2))
+    )
+    (noisy, seen, _), (noisy_ref, _, _) = net.calls[0], net_ref.calls[0]
+    assert torch.equal(seen, cond * (given - module.offset(given, cond) if center != "none" else given))
+    assert torch.equal(noisy, noisy_ref)
+    far = clean.clone()
+    far[~targets] = 1e6  # clean values off the targets never reach the network (the missing channel's above all)
+    module.per_example_loss(given, observed, cond, torch.Generator().manual_seed(2), far)
+    assert torch.equal(net.calls[-1][0], noisy)
+    assert loss.min() > 0  # the zero network misses the clean targets
+
+
+def test_unpack_windows_reads_all_three_batch_forms() -> None:
+    x, mask = torch.randn(2, 4, 3), torch.ones(2, 4, 3)
+    assert DPTimeSeriesDiffusion.unpack_windows(x)[2] is None
+    assert DPTimeSeriesDiffusion.unpack_windows([x, mask])[2] is None
+    given, observed, target = DPTimeSeriesDiffusion.unpack_windows([x + 1, mask, x])
+    assert (
+        torch.equal(given, x + 1)
+        and target is x
+        and torch.equal(DPTimeSeriesDiffusion.unpack([x + 1, mask, x])[0], given)
+    )
+
+
+def test_faulted_test_windows_are_scored_against_their_clean_values(tmp_path: Path) -> None:
+    write_csv(tmp_path / "ETTh1.csv")
+    results = {}
+    for rate in (0.0, 1.0):
+        dm = ETTDataModule(str(tmp_path / "ETTh1.csv"), task="imputation", input_len=8, rows_per_month=MONTH,
+                           max_test_windows=7, eval_batch_size=3, test_fault_rate=rate,
+                           fault_kinds=("level",))  # fmt: skip
+        module = tiny_module("imputation", module_options={"crps_space": "normalised"})
+        # Samples 0 on the hidden points (repeat, not expand: torch's median misreads a stride-0 dimension).
+        module.sample = lambda x, cond, n_samples=None: (cond * x).repeat(4, 1, 1, 1)  # type: ignore[method-assign]
+        (results[rate],) = make_trainer("auto").test(module, dm, verbose=False)
+    # The level faults (5-20 sd) are in the given values only: predicting 0 scores the same on the clean targets.
+    assert results[1.0]["test_mse"] == pytest.approx(results[0.0]["test_mse"], rel=1e-6)
+    assert results[1.0]["test_windows"] == 7
+
+
+def test_a_short_dp_fit_on_faulted_training_windows(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    write_csv(tmp_path / "ETTh1.csv")
+    dm = ETTDataModule(str(tmp_path / "ETTh1.csv"), input_len=8, horizon=4, rows_per_month=MONTH, batch_size=16,
+                       max_val_windows=8, fault_rate=0.5, fault_seed=1)  # fmt: skip
+    module = tiny_module(c_max=4.0, gamma_max=1.0, beta_max=1.0, alpha_max=1.0)
+    strategy = dplightning.DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)  # the coupling probe runs too
+    trainer = make_trainer(strategy, max_steps=3, limit_val_batches=1)
+    trainer.fit(module, dm)
+    assert trainer.strategy.dp_state.steps == 3 and math.isfinite(trainer.strategy.get_epsilon())
