@@ -10,6 +10,7 @@ never through concrete strategy classes.
 Importing this package imports ``dplightning``, which registers ``strategy="dp"``.
 """
 
+from dplightning.callbacks.adaln_bind import AdaLNBindFractions
 from dplightning.callbacks.clipping_histogram import ClippingHistogram
 from dplightning.callbacks.privacy_budget import PrivacyBudget
 from dplightning.callbacks.private_clip_fraction import PrivateClipFraction
@@ -18,6 +19,7 @@ from dplightning.protocols import AccountingSource, NormSource, RegistersStepRel
 
 __all__ = [
     "AccountingSource",
+    "AdaLNBindFractions",
     "ClippingHistogram",
     "GradientTailStats",
     "NormSource",
