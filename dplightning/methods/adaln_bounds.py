@@ -18,7 +18,8 @@ run uses and declares anyway (``dp_not_covered``); pass public ``mean``/``std`` 
 :func:`vacuity` is the pre-registered rule applied to the bind fractions that
 :class:`~dplightning.callbacks.AdaLNBindFractions` logs in every run.
 
-python -m dplightning.methods.adaln_bounds calibrate --config configs/timeseries/ARM.yaml --out bounds.yaml
+python -m dplightning.methods.adaln_bounds calibrate --config configs/timeseries/ARM.yaml --out bounds.yaml \
+    [-- --model.init_args.center context_mean ...]
 python -m dplightning.methods.adaln_bounds vacuity lightning_logs/.../metrics.csv
 """
 
@@ -393,7 +394,7 @@ def run_fractions_from_csv(path: str | Path) -> dict[str, float]:
 def _calibrate(args: argparse.Namespace) -> int:
     from dplightning.cli import build_cli  # the CLI builds model and data exactly as `dplightning fit` would
 
-    argv = [item for config in args.config for item in ("--config", config)]
+    argv = [item for config in args.config for item in ("--config", config)] + list(args.overrides)
     argv += ["--trainer.logger", "false", "--data.init_args.max_val_windows", "null"]  # every validation window
     cli = build_cli(argv, run=False)
     if not isinstance(cli.model, DPTimeSeriesDiffusion) or cli.datamodule is None:
@@ -403,9 +404,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         cli.model, windows, args.steps, args.batch_size, args.quantile, args.seed, args.accelerator
     )
     configs = " ".join(f"--config {config}" for config in args.config)
+    overrides = f" -- {' '.join(args.overrides)}" if args.overrides else ""
     command = (
         f"python -m dplightning.methods.adaln_bounds calibrate {configs} --steps {args.steps} "
-        f"--batch-size {args.batch_size} --quantile {args.quantile} --seed {args.seed}"
+        f"--batch-size {args.batch_size} --quantile {args.quantile} --seed {args.seed}{overrides}"
     )
     text = result.to_yaml(command)
     if args.out:
@@ -436,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--seed", type=int, default=0, help="Initialisation, training and statistics (%(default)s).")
     cal.add_argument("--accelerator", default="cpu", help="Where the model trains (%(default)s).")
     cal.add_argument("--out", help="Write the YAML overlay here (it is printed either way).")
+    cal.add_argument(
+        "overrides", nargs="*", help="LightningCLI arguments after `--`, e.g. --model.init_args.center ..."
+    )
     vac = commands.add_parser("vacuity", help="Apply the vacuous-arm rule to a run's metrics.csv.")
     vac.add_argument("metrics", help="The CSVLogger metrics.csv of a run with AdaLNBindFractions.")
     args = parser.parse_args(argv)

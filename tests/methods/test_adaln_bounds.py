@@ -241,8 +241,9 @@ def test_calibrate_from_a_config_writes_the_overlay(tmp_path: Path, capsys: pyte
     (tmp_path / "arm.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     out = tmp_path / "bounds.yaml"
     assert main(["calibrate", "--config", str(tmp_path / "arm.yaml"), "--steps", "5", "--batch-size", "8",
-                 "--out", str(out)]) == 0  # fmt: skip
+                 "--out", str(out), "--", "--model.init_args.center", "context_mean"]) == 0  # fmt: skip
     args = yaml.safe_load(out.read_text(encoding="utf-8"))["model"]["init_args"]["model"]["init_args"]
     assert set(args) == {"c_max", "gamma_max", "beta_max", "alpha_max"} and all(v > 0 for v in args.values())
     assert "on 37 validation windows" in out.read_text(encoding="utf-8")  # all of them, not max_val_windows
     assert capsys.readouterr().out.endswith(out.read_text(encoding="utf-8"))
+    assert "--seed 0 -- --model.init_args.center context_mean" in out.read_text(encoding="utf-8")  # provenance
