@@ -22,11 +22,13 @@ and the magnitude, from the same generator. Nothing depends on a data value: the
 (seed, N, number of channels) only, and is fixed for the whole run (the same windows are faulty in every
 epoch and every Poisson batch, like a faulty stretch of a real log).
 
-**Privacy.** The privacy unit stays one window. Each faulted window is a function of that window's values
-and of public randomness (the seed and the window's position, which the data's length already makes
-public), so the faulted data set is a per-window map of the clean one: two data sets that differ in one
-window give faulted data sets that differ in that window only, and the DP guarantee of the run holds for
-the faulted windows as it does for clean ones.
+**Privacy.** The privacy unit stays one window, and the DP guarantee covers the data set the strategy
+trains on: the faulted windows. The fault plan is a function of (seed, N, channels), not of any value, so
+replacing one window's values (same N, same position) changes that faulted window only. It is not a
+per-window map under add-or-remove: removing a window changes N and the positions, and with them which
+other windows are faulted. That is no leak of the private data (the plan reads no value), but it means the
+fault process is part of how this experiment's training set is built, not a transform with a guarantee
+about the clean data.
 
 **Interaction with centring** (``DPTimeSeriesDiffusion(center="context_mean")``, which subtracts each
 window's per-channel context mean). A level fault shifts a channel's whole context by s·k: the centred
