@@ -12,6 +12,7 @@ Nothing here is a base class to inherit from: any object with these members work
   one more noisy statistic per step).
 * Optimizer -> strategy: :class:`DPPlanned`, an optimizer's DP plan: its clipping groups and
   per-example transforms, and the noisy release it receives with its noise std.
+* Optimizer -> memory planner: :class:`DeclaresStateSize`, the size of the state its steps keep.
 * LightningModule -> strategy: :class:`MultiRowUnits`, privacy units of several rows.
 
 When to read the strategy's statistics: it privatizes inside the optimizer closure, so
@@ -26,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 from dplightning.privacy.accounting import PrivacyLedger
@@ -196,6 +198,25 @@ class ReportsMetrics(Protocol):
 
     def dp_metrics(self) -> Mapping[str, float]:
         """Name → value after the last step (an empty mapping logs nothing)."""
+        ...
+
+
+@runtime_checkable
+class DeclaresStateSize(Protocol):
+    """An optimizer that states the size of the state its steps keep, without stepping.
+
+    ``dplightning memory-plan`` asks it on parameters of the ``meta`` device, where a step that
+    draws random numbers or reads values (DP-GRAPE's projections, DP-Muon's norms) cannot run;
+    an optimizer without it is planned by stepping it once on meta tensors.
+    """
+
+    def state_elements(self) -> dict[torch.dtype, int]:
+        """Elements of the tensors its state holds after a step, by dtype (only dtypes it uses).
+
+        Counts every parameter of its groups that requires grad (those the DP strategy
+        privatizes), as placed by ``dp_bind_module`` and ``dp_plan`` if it has them (they are
+        called first); what it keeps from step to step, not a step's temporaries.
+        """
         ...
 
 

@@ -250,6 +250,21 @@ class DPGrape(torch.optim.Optimizer):
         """Keep the step's noisy means (slot coordinates) for :meth:`step`."""
         self._release = release
 
+    def state_elements(self) -> dict[torch.dtype, int]:
+        """AdamW's two fp32 moments per slot element (:class:`~dplightning.protocols.DeclaresStateSize`).
+
+        A projected weight's slot is its ``slot_shape`` (after :meth:`dp_plan`), any other parameter's its own
+        shape: :func:`~dplightning.optim._adam.adam_direction` makes the moments like the released slot, in fp32
+        whatever the weights' dtype.
+        """
+        elements = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    projection = self.projections.get(p)
+                    elements += 2 * (projection.slot_shape(p.shape) if projection else p.shape).numel()
+        return {torch.float32: elements} if elements else {}
+
     # ------------------------------------------------------------------ the update
 
     @torch.no_grad()

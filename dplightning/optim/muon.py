@@ -220,6 +220,21 @@ class DPMuon(torch.optim.Optimizer):
         """Keep the step's release (the noisy means and their noise std) for :meth:`step`."""
         self._release = release
 
+    def state_elements(self) -> dict[torch.dtype, int]:
+        """The fp32 state of its steps (:class:`~dplightning.protocols.DeclaresStateSize`).
+
+        A matrix that Muon updates keeps one momentum buffer of its size; every other parameter
+        (and every one under ``matrix_update="adamw"``) AdamW's two moments. Both are fp32 whatever
+        the weights' dtype. The split is :meth:`uses_muon`'s, so ask after :meth:`dp_plan`.
+        """
+        elements = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    muon = self.uses_muon(p, group) and self.matrix_update == "muon"
+                    elements += p.numel() * (1 if muon else 2)
+        return {torch.float32: elements} if elements else {}
+
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
