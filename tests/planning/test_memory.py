@@ -249,6 +249,95 @@ def test_a_plan_without_projections_and_a_transform_the_planner_cannot_model() -
         survey(fit_config(optimizer={"class_path": f"{__name__}.UnrollsWeights", "init_args": {"rank": 4}}))
 
 
+# ---------------------------------------------------------------- the optimizer's state, asked of it or stepped on meta
+
+# The class-name table the planner had before it asked the optimizer (states per trainable parameter, in the
+# weights' dtype): stepping torch's optimizers on meta tensors must give the same.
+TORCH_TABLE = [
+    ("torch.optim.Adam", {}, 2),
+    ("torch.optim.AdamW", {"lr": "2e-4", "weight_decay": 0.0}, 2),
+    ("torch.optim.AdamW", {"amsgrad": True}, 3),
+    ("torch.optim.SGD", {"lr": 0.1}, 0),
+    ("torch.optim.SGD", {"lr": 0.1, "momentum": 0.9}, 1),
+    ("torch.optim.RMSprop", {}, 1),
+    ("torch.optim.RMSprop", {"momentum": 0.9}, 2),
+    ("torch.optim.RMSprop", {"momentum": 0.9, "centered": True}, 3),
+    ("torch.optim.Adagrad", {}, 1),
+    ("torch.optim.Adadelta", {}, 2),
+    ("torch.optim.NAdam", {}, 2),
+    ("torch.optim.RAdam", {}, 2),
+    ("torch.optim.Adamax", {}, 2),
+]
+
+
+def _with_precision(config: dict[str, Any], precision: str) -> dict[str, Any]:
+    return {**config, "trainer": {**config["trainer"], "precision": precision}}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+@pytest.mark.parametrize(("path", "args", "states"), TORCH_TABLE, ids=lambda v: str(v))
+def test_torch_optimizers_stepped_on_meta_give_the_former_table(path: str, args: dict, states: int, precision: str):
+    p = plan(_with_precision(fit_config(optimizer={"class_path": path, "init_args": args}), precision))
+    weight_bytes = 4 if precision == "32-true" else 2
+    assert p.optimizer_states == states
+    assert component(p, "optimizer states") == states * p.trainable * weight_bytes
+    assert next(c.note for c in p.components if c.name == "optimizer states") == f"{states} per trainable parameter"
+    assert not [n for n in p.notes if n.startswith("optimizer state")]
+
+
+class HeavyBall(torch.optim.SGD):
+    """SGD with momentum under a name no table knows: one state per parameter, found from the step."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, lr=lr, momentum=0.9)
+
+
+def test_the_state_is_found_by_stepping_not_by_the_class_name() -> None:
+    p = plan(fit_config(optimizer={"class_path": f"{__name__}.HeavyBall"}))
+    assert (p.optimizer_states, component(p, "optimizer states")) == (1, 4 * p.trainable)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+@pytest.mark.parametrize("args", [{}, {"matrix_update": "adamw"}, {"exclude": ["embed", "head", "fc"]}])
+def test_dp_muon_is_planned_from_its_declared_fp32_state(args: dict[str, Any], precision: str) -> None:
+    from dplightning.modules import DPCausalLM
+    from dplightning.optim import DPMuon
+
+    module = DPCausalLM(config=dict(TINY_OPT))
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    opt = DPMuon([p for _, p in named], **args)
+    opt.dp_bind_module(module)
+    opt.dp_plan(named, 1.0)
+    muon = sum(p.numel() for _, p in named if opt.uses_muon(p)) if not args.get("matrix_update") else 0
+    expected = 4 * (muon + 2 * (sum(p.numel() for _, p in named) - muon))  # fp32 momentum; fp32 AdamW moments
+    config = fit_config(optimizer={"class_path": "dplightning.optim.DPMuon", "init_args": args})
+    p = plan(_with_precision(config, precision))
+    assert component(p, "optimizer states") == expected
+    assert p.optimizer_states == pytest.approx(expected / 4 / p.trainable, abs=1e-3)
+    note = next(c.note for c in p.components if c.name == "optimizer states")
+    assert ("fp32" in note) == (precision == "bf16-true")  # named when it is not the weights' dtype
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [("torch.optim.ASGD", "ASGD cannot step on meta tensors"), ("no_such_package.Lamb", "could not be imported")],
+)
+def test_an_optimizer_that_cannot_step_on_meta_is_planned_as_adam_and_the_plan_says_so(path: str, why: str) -> None:
+    p = plan(fit_config(optimizer={"class_path": path}))
+    assert (p.optimizer_states, component(p, "optimizer states")) == (2, 2 * 4 * p.trainable)
+    assert any(n.startswith("optimizer state: ") and why in n and "planned as Adam's" in n for n in p.notes)
+
+
+@pytest.mark.parametrize(
+    ("path", "args", "states"),
+    [("torch.optim.AdamW", {"amsgrad": True}, 3), ("SGD", {"lr": 0.1}, 0), ("dplightning.optim.DPMuon", {}, 1)],
+)
+def test_optimizer_states_still_answers_per_element_of_a_matrix(path: str, args: dict[str, Any], states: int) -> None:
+    from dplightning.planning.memory import optimizer_states
+
+    assert optimizer_states(path, args) == states
+
+
 # ---------------------------------------------------------------- the engines' rules and DP defaults, read not retyped
 
 

@@ -29,9 +29,10 @@ Trainer's ``accumulate_grad_batches`` micro-batches.
 One module per concern; every name is importable from this package as before:
 :mod:`~.units` (bytes, phases), :mod:`~.settings` (the merged config and what the plan reads from it),
 :mod:`~.model` (the meta model), :mod:`~.layers` (the hooked layers), :mod:`~.activations` (per transformer
-layer), :mod:`~.grape` (DP-GRAPE's projections), :mod:`~.per_example` (the engines' per-example state),
-:mod:`~.plan` (the components and the peak) and :mod:`~.output` (suggestions, the text table). The command line
-is :mod:`dplightning.commands.memory_plan`.
+layer), :mod:`~.grape` (DP-GRAPE's projections), :mod:`~.states` (the optimizer's state, asked of it or found by
+stepping it on meta tensors), :mod:`~.per_example` (the engines' per-example state), :mod:`~.plan` (the components
+and the peak) and :mod:`~.output` (suggestions, the text table). The command line is
+:mod:`dplightning.commands.memory_plan`.
 """
 
 from typing import Any
@@ -57,11 +58,11 @@ from dplightning.planning.memory.settings import (
     dp_defaults,
     load_configs,
     merge_configs,
-    optimizer_states,
     physical_batch,
     precision_of,
     settings_of,
 )
+from dplightning.planning.memory.states import optimizer_states
 from dplightning.planning.memory.units import DEFAULT_SIGMAS, GB, PHASES, Phase, parse_memory
 
 __all__ = [

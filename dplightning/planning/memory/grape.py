@@ -48,7 +48,19 @@ def dp_planned_optimizer(model: nn.Module, s: Settings) -> Any | None:
     cls = optimizer_class(s.optimizer)
     if cls is None or not callable(getattr(cls, "dp_plan", None)):
         return None
-    optimizer = cls([p for p in model.parameters() if p.requires_grad], **typed_arguments(cls, s.optimizer_args))
+    return bound_optimizer(model, cls, s.optimizer_args)
+
+
+def bound_optimizer(model: nn.Module, cls: type, args: Mapping[str, Any]) -> Any:
+    """``cls`` on ``model``'s trainable parameters with ``args`` typed as the fit types them, bound to ``model``.
+
+    Bound: given the model through ``dp_bind_module`` if the optimizer has one, as the DP strategy does before
+    asking its plan.
+
+    Raises:
+        ValueError: If ``args`` do not fit the constructor.
+    """
+    optimizer = cls([p for p in model.parameters() if p.requires_grad], **typed_arguments(cls, args))
     bind = getattr(optimizer, "dp_bind_module", None)
     if callable(bind):
         bind(model)

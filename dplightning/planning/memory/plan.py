@@ -19,10 +19,10 @@ from dplightning.planning.memory.model import meta_model
 from dplightning.planning.memory.per_example import clipping_transient, engine_store, forms_slot
 from dplightning.planning.memory.settings import (
     Settings,
-    optimizer_states,
     physical_batch,
     settings_of,
 )
+from dplightning.planning.memory.states import OptimizerState, optimizer_state, per_element
 from dplightning.planning.memory.units import DEFAULT_SIGMAS, GB, PHASES, Phase
 
 
@@ -50,7 +50,8 @@ class MemoryPlan:
         parameters: All parameters of the model (exact, from the meta model).
         trainable: Trainable (privatized) parameters.
         optimizer: The optimizer's class path.
-        optimizer_states: State tensors per trainable parameter.
+        optimizer_states: State elements per trainable parameter (per slot element when the DP plan projects):
+            2 for Adam; a fraction for a mix (DP-Muon: 1 per Muon matrix element, 2 per other).
         precision: Lightning's precision name.
         engine: The clipping engine.
         expected_batch: b, the expected Poisson batch per process.
@@ -67,7 +68,7 @@ class MemoryPlan:
     parameters: int
     trainable: int
     optimizer: str
-    optimizer_states: int
+    optimizer_states: int | float
     precision: str
     engine: str
     expected_batch: int
@@ -105,17 +106,23 @@ class MemoryPlan:
         return out
 
 
-def _static(s: Settings, params: int, trainable: int, states: int, slots: int | None = None) -> list[Component]:
+def _static(
+    s: Settings, params: int, trainable: int, state: OptimizerState, slots: int | None = None
+) -> list[Component]:
     p = s.precision.param
-    if slots is not None:  # DP-GRAPE: fp32 moments and buckets of the slots (projected weights r x max(m, n))
+    if slots is not None:  # DP-GRAPE: moments and buckets of the slots (projected weights r x max(m, n))
+        note = f"{per_element(state.total, slots)} {state.dtype_names()} per slot element"
         return [
             Component("weights", params * p, "static", f"{params:,} parameters, {8 * p}-bit"),
-            Component("optimizer states", states * slots * 4, "static", f"{states} fp32 per slot element"),
+            Component("optimizer states", state.bytes, "static", note),
             Component("DP buckets (clipped sum)", slots * 4, "static", f"fp32, {slots:,} slot elements"),
         ]
+    # The dtype is named only when it is not the weights' (torch's optimizers keep theirs, DP-Muon fp32).
+    dtypes = "" if set(state.elements) <= {s.precision.param_dtype} else f" {state.dtype_names()}"
+    note = f"{per_element(state.total, trainable)}{dtypes} per trainable parameter"
     return [
         Component("weights", params * p, "static", f"{params:,} parameters, {8 * p}-bit"),
-        Component("optimizer states", states * trainable * p, "static", f"{states} per trainable parameter"),
+        Component("optimizer states", state.bytes, "static", note),
         Component("DP buckets (clipped sum)", trainable * 4, "static", f"fp32, {trainable:,} trainable"),
     ]
 
@@ -160,7 +167,7 @@ def _backward(
     return out
 
 
-def _optimizer(s: Settings, trainable: int, largest: int, states: int, slots: int | None = None) -> list[Component]:
+def _optimizer(s: Settings, trainable: int, largest: int, states: float, slots: int | None = None) -> list[Component]:
     if slots is not None:  # DP-GRAPE steps per tensor: √v, m/√v and the lifted fp32 update of one weight
         out = [Component("optimizer temporaries", 3 * largest * 4, "optimizer", "per tensor (DP-GRAPE)")]
         out.append(Component("noise (one bucket)", min(s.bucket_cap_mb * 2**20, slots * 4), "optimizer"))
@@ -186,6 +193,7 @@ class Survey:
     largest: int
     matmul: int
     source: str
+    state: OptimizerState
     projected: dict[str, Projected] = field(default_factory=dict)
     slots: int | None = None
 
@@ -198,17 +206,23 @@ def survey(config: Mapping[str, Any]) -> Survey:
     config_ = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     d = dims_of(config_, causal, s.gpu)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    layers, roles = hooked_layers(model), trained_roles(model, d.arch)
+    matmul = sum(m.weight.numel() for m in model.modules() if _widths(m)[0] == "linear")
+    projections = grape_projections(model, s)
+    # Last, because it casts the model: the optimizer sees its parameters in their storage dtype, as in the fit.
+    state = optimizer_state(model.to(s.precision.param_dtype), s.optimizer, s.optimizer_args, s.max_grad_norm)
     return Survey(
         settings=s,
         dims=d,
-        layers=hooked_layers(model),
-        roles=trained_roles(model, d.arch),
+        layers=layers,
+        roles=roles,
         parameters=sum(p.numel() for p in model.parameters()),
         trainable=sum(p.numel() for p in trainable),
         largest=max((p.numel() for p in trainable), default=0),
-        matmul=sum(m.weight.numel() for m in model.modules() if _widths(m)[0] == "linear"),
+        matmul=matmul,
         source=source,
-        **grape_projections(model, s),
+        state=state,
+        **projections,
     )
 
 
@@ -216,14 +230,14 @@ def assemble(sv: Survey, sigmas: float = DEFAULT_SIGMAS, accumulate: int | None 
     """The plan of a surveyed model (cheap: rerun it to try other batch splits)."""
     s = sv.settings if accumulate is None else replace(sv.settings, accumulate=accumulate)
     rows = physical_batch(s.batch_size, s.accumulate, sigmas, s.poisson)
-    states = optimizer_states(s.optimizer, s.optimizer_args)
+    states = per_element(sv.state.total, sv.slots if sv.slots is not None else sv.trainable)
     head = any(x.name.endswith(("lm_head", "score", "classifier.out_proj")) for x in sv.layers)
     alive, _ = activation_bytes(sv.dims, s.precision, sv.roles, rows, s.max_length, head)
     # A formed slot frees its layer's input after that layer's backward, not before: the end
     # of the forward still has it, the end of the backward does not.
     _, held = activation_bytes(sv.dims, s.precision, sv.roles - formed_roles(sv, s), rows, s.max_length, head)
     components = [
-        *_static(s, sv.parameters, sv.trainable, states, sv.slots),
+        *_static(s, sv.parameters, sv.trainable, sv.state, sv.slots),
         *_forward(s, sv.dims, sv.matmul, rows, alive),
         *_backward(s, sv.layers, held, rows, sv.trainable, sv.projected),
         *_optimizer(s, sv.trainable, sv.largest, states, sv.slots),
@@ -277,6 +291,8 @@ def _notes(sv: Survey, s: Settings) -> list[str]:
             f"(of {sv.trainable:,} trainable); under auto a slot smaller than its factors is formed in the "
             "backward and frees them (Auto.settle), otherwise the held inputs A are counted in full"
         )
+    if sv.state.assumed:
+        notes.append(f"optimizer state: {sv.state.assumed}")
     if not s.poisson:
         notes.append("poisson_sampling is off: fixed batches, no margin")
     if s.verify != "never":

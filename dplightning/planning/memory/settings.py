@@ -60,6 +60,15 @@ class Precision:
     def residual(self) -> int:
         return 4 if self.mixed else self.compute
 
+    @property
+    def param_dtype(self) -> Any:
+        """The weights' storage dtype (a ``torch.dtype``; torch is imported only when it is asked for)."""
+        import torch
+
+        if self.param != 2:
+            return {4: torch.float32, 8: torch.float64}[self.param]
+        return torch.float16 if self.name.startswith("16") else torch.bfloat16
+
 
 def precision_of(value: Any) -> Precision:
     """Lightning's ``trainer.precision`` as element sizes (``bf16-mixed`` keeps fp32 weights)."""
@@ -174,17 +183,3 @@ def physical_batch(expected: int, accumulate: int, sigmas: float, poisson: bool)
     """
     rows = expected + sigmas * math.sqrt(expected) if poisson else expected
     return max(1, math.ceil(math.ceil(rows) / accumulate))
-
-
-def optimizer_states(name: str, args: Mapping[str, Any]) -> int:
-    """Optimizer state tensors per trainable parameter, from the optimizer's class name."""
-    short = name.rsplit(".", 1)[-1].lower()
-    if short in ("adam", "adamw", "nadam", "radam", "adamax", "lamb"):
-        return 2 + (1 if args.get("amsgrad") else 0)
-    if short == "sgd":
-        return 1 if float(args.get("momentum", 0) or 0) > 0 else 0
-    if short == "rmsprop":
-        return 1 + (float(args.get("momentum", 0) or 0) > 0) + bool(args.get("centered"))
-    if short in ("adagrad", "adadelta"):
-        return 1 if short == "adagrad" else 2
-    return 2  # an unknown optimizer is planned as Adam-like (what most are)
