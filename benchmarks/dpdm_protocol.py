@@ -114,7 +114,8 @@ E2_EPSILONS = (1.0, 10.0, 100.0, math.inf)
 DPSGD_LRS = {"private": (1.0, 2.0, 4.0, 8.0), "nonprivate": (0.03, 0.1, 0.3, 1.0)}
 CEILING_MARGIN, GAP_LIMIT = 0.05, 0.10
 TUNING_SEEDS, FINAL_SEEDS = (100,), (0, 1, 2, 3, 4)
-SMOKE = {"steps": 4, "samples": 100, "clf_steps": 20, "sampling_steps": 4, "eval_draws": 2}
+# The smoke run also shrinks the expected batch: at 256 its 14 fits were most of a 90-second test.
+SMOKE = {"steps": 4, "samples": 100, "clf_steps": 20, "sampling_steps": 4, "eval_draws": 2, "batch": 32}
 DPDM, DP_SGD = "DPDM K=4", "DP-SGD"
 E1_CLAIM = (
     "K helps only if K=4 has the lower test heldout_loss in >= 4 of 5 paired seeds AND the mean paired CNN "
@@ -132,13 +133,18 @@ E2_CLAIMS = {
 
 @dataclass(frozen=True)
 class Budget:
-    """The run lengths (the real design, or the smoke run's tiny ones)."""
+    """The run lengths and the expected batch (the real design, or the smoke run's tiny ones).
+
+    ``batch`` is recorded as the settings' ``expected_batch``, outside ``budget`` (the records
+    made before it was a field keep their identity).
+    """
 
     steps: int = STEPS
     samples: int = SAMPLES
     clf_steps: int = DEFAULT_STEPS
     sampling_steps: int = SAMPLING_STEPS
     eval_draws: int = EVAL_DRAWS
+    batch: int = BATCH
 
 
 class QuietEpsilon(pl.Callback):
@@ -181,8 +187,9 @@ def strategy_for(epsilon: float, seed: int) -> DPStrategy | str:
         return DPStrategy(target_epsilon=epsilon, max_grad_norm=MAX_GRAD_NORM, accountant=ACCOUNTANT, seed=seed)
 
 
-def fit(module: pl.LightningModule, data: str, epsilon: float, seed: int, steps: int) -> dict[str, float]:
-    """Train ``module`` for ``steps`` at ``epsilon``; the run's privacy figures and fit seconds."""
+def fit(module: pl.LightningModule, data: str, epsilon: float, seed: int, steps: int,
+        batch: int = BATCH) -> dict[str, float]:  # fmt: skip
+    """Train ``module`` for ``steps`` at ``epsilon``, expected batch ``batch``; its privacy figures and fit seconds."""
     strategy = strategy_for(epsilon, seed)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*seed= is FOR TESTS ONLY.*")
@@ -192,7 +199,7 @@ def fit(module: pl.LightningModule, data: str, epsilon: float, seed: int, steps:
             limit_val_batches=0, num_sanity_val_steps=0, callbacks=[QuietEpsilon()], default_root_dir=tmp,
         )  # fmt: skip
         start = time.perf_counter()
-        trainer.fit(module, datamodule=data_module(data))
+        trainer.fit(module, datamodule=data_module(data, batch))
         seconds = time.perf_counter() - start
     if isinstance(strategy, str):  # ε = ∞ is in the record's settings (a metric of inf has no sd)
         return {"sigma": 0.0, "fit_seconds": seconds}
@@ -223,12 +230,12 @@ def run_dpdm(data: str, epsilon: float, k: int, budget: Budget, hparams: Mapping
         net, noise_multiplicity=k, sampler="ddim", sampling_steps=budget.sampling_steps, sample_batch_size=500,
         optimizer=functools.partial(torch.optim.Adam, lr=float(hparams["lr"])),
     )  # fmt: skip
-    metrics = fit(module, data, epsilon, seed, budget.steps)
+    metrics = fit(module, data, epsilon, seed, budget.steps, budget.batch)
     params = sum(p.numel() for p in net.parameters())
     metrics |= {
         "K": k, "parameters": params,
         # The DP noise's norm per step relative to one clipped gradient's: σ C √d / (B C).
-        "noise_norm_per_step_in_C": metrics["sigma"] * math.sqrt(params) / BATCH,
+        "noise_norm_per_step_in_C": metrics["sigma"] * math.sqrt(params) / budget.batch,
         "heldout_loss": heldout_loss(module.eval(), *real_splits(data)[split], budget.eval_draws),
     }  # fmt: skip
     if split != "test":
@@ -249,7 +256,7 @@ def run_dpsgd(data: str, epsilon: float, budget: Budget, hparams: Mapping[str, A
     """The quickstart classifier trained on the real train split at ``epsilon``; accuracy on ``split``."""
     pl.seed_everything(seed, verbose=False)
     module = ImageClassifier(SmallCNN(channels=16), optimizer=functools.partial(torch.optim.SGD, lr=hparams["lr"]))
-    metrics = fit(module, data, epsilon, seed, budget.steps)
+    metrics = fit(module, data, epsilon, seed, budget.steps, budget.batch)
     return {**metrics, **evaluate(module, TensorDataset(*real_splits(data)[split]))}
 
 
@@ -287,9 +294,9 @@ def e2(data: str, budget: Budget, epsilon: float, dpdm_lr: float) -> Experiment:
 def settings(data: str, budget: Budget, epsilon: float, claims: Any) -> dict[str, Any]:
     """What the records' results depend on (part of their identity, so a changed one cannot resume)."""
     return {
-        "data": data, "epsilon": "inf" if math.isinf(epsilon) else epsilon, "expected_batch": BATCH,
+        "data": data, "epsilon": "inf" if math.isinf(epsilon) else epsilon, "expected_batch": budget.batch,
         "max_grad_norm": MAX_GRAD_NORM, "accountant": ACCOUNTANT, "net": {k: list(v) if isinstance(v, tuple) else v
-        for k, v in NET.items()}, "budget": dataclasses.asdict(budget),
+        for k, v in NET.items()}, "budget": {k: v for k, v in dataclasses.asdict(budget).items() if k != "batch"},
         "eval_seed": EVAL_SEED, "classifiers": list(CLASSIFIERS), "fid_features": FID_LOCAL, "claims": claims,
         "threads": 1,
     }  # fmt: skip

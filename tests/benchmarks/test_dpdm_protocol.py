@@ -133,3 +133,12 @@ def test_e1_smoke_run_goes_through_the_protocol(tmp_path: Path) -> None:
     assert all(len(s) == 1 for s in sigmas.values())  # equal ε, equal σ: K does not change the accounting
     claims = json.loads((tmp_path / "s_claims.json").read_text())
     assert claims["E1"]["claim"] == record["identity"]["settings"]["claims"]  # judged as registered
+
+
+def test_the_smoke_shrinks_the_batch_and_the_real_records_keep_their_identity(dp: ModuleType) -> None:
+    smoke = dp.settings("digits", dp.Budget(**dp.SMOKE), 10.0, dp.E1_CLAIM)
+    assert smoke["expected_batch"] == dp.SMOKE["batch"] < dp.BATCH and "batch" not in smoke["budget"]
+    record = json.loads((ROOT / "benchmarks" / "results" / "dpdm_digits_cpu_k.json").read_text())
+    real = dp.e1("digits", dp.Budget(), smoke=False).identity()
+    assert {**real, "name": record["identity"]["name"]} == record["identity"]  # still resumes the committed record
+    assert real["settings"]["expected_batch"] == 256
