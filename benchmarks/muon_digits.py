@@ -57,6 +57,7 @@ The record resumes: rerunning the command skips the runs it already holds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import statistics
 import tempfile
@@ -71,6 +72,7 @@ import lightning.pytorch as pl
 import torch
 from _configs import config_digest, optimizer_overlay
 from _protocol import Arm, Criterion, Experiment, run_experiment
+from grape_digits import memoised_calibration
 from torch.utils.data import DataLoader, Dataset
 
 from dplightning.cli import build_cli
@@ -84,7 +86,8 @@ NAME = "muon_digits_cpu"
 EPOCHS, BATCH, EPSILON, MAX_GRAD_NORM = 40, 256, 8.0, 1.0
 TUNING_SEEDS, FINAL_SEEDS = (100,), (0, 1, 2, 3, 4)
 ACCOUNTANT = "prv"
-# The smoke run's accountant: RDP calibrates σ in milliseconds, PRV in seconds (most of a 1-epoch run).
+# The smoke run's accountant: RDP calibrates σ faster than PRV, but still in most of a 1-epoch run's time,
+# so the smoke run also calibrates once per process (memoised_calibration).
 SMOKE_EPOCHS, SMOKE_ARMS, SMOKE_ACCOUNTANT = 1, ("DP-Adam", "DP-MuonBC"), "rdp"
 
 
@@ -184,10 +187,19 @@ def cli_args(
 
 
 def run_arm(
-    spec: ArmSpec, hparams: Mapping[str, Any], seed: int, split: str, epochs: int, accountant: str = ACCOUNTANT
+    spec: ArmSpec,
+    hparams: Mapping[str, Any],
+    seed: int,
+    split: str,
+    epochs: int,
+    accountant: str = ACCOUNTANT,
+    memo: bool = False,
 ) -> dict[str, float]:
-    """Train ``spec`` at ``hparams`` with paired seed ``seed``; accuracy on ``split`` and the run's diagnostics."""
-    with tempfile.TemporaryDirectory() as tmp:
+    """Train ``spec`` at ``hparams`` with paired seed ``seed``; accuracy on ``split`` and the run's diagnostics.
+
+    ``memo``: reuse σ calibrated by an earlier run of this process (see ``grape_digits.memoised_calibration``).
+    """
+    with tempfile.TemporaryDirectory() as tmp, memoised_calibration() if memo else contextlib.nullcontext():
         cli = build_cli(cli_args(spec, hparams, seed, epochs, accountant, Path(tmp)), run=False)
         stats = RunStats()
         cli.trainer.callbacks.append(stats)
@@ -218,11 +230,11 @@ def run_arm(
     return metrics
 
 
-def runner(spec: ArmSpec, epochs: int, accountant: str) -> Any:
+def runner(spec: ArmSpec, epochs: int, accountant: str, memo: bool = False) -> Any:
     """The protocol's ``run(hparams, seed, split)`` for ``spec``."""
 
     def run(hparams: Mapping[str, Any], seed: int, split: str) -> dict[str, float]:
-        return run_arm(spec, hparams, seed, split, epochs, accountant)
+        return run_arm(spec, hparams, seed, split, epochs, accountant, memo)
 
     return run
 
@@ -231,7 +243,8 @@ def experiment(smoke: bool = False, arms: Sequence[str] | None = None) -> Experi
     """The pre-registered experiment, or a subset of its ``arms``.
 
     ``smoke``: the code path of the real run in about a minute, no result: 1 epoch (5 steps),
-    σ calibrated by RDP, arms ``SMOKE_ARMS`` (unless ``arms``), each at its middle grid point.
+    σ calibrated by RDP once and reused (``grape_digits.memoised_calibration``), arms
+    ``SMOKE_ARMS`` (unless ``arms``), each at its middle grid point.
     """
     names = list(arms or (SMOKE_ARMS if smoke else [a.name for a in ARMS]))
     specs = [a for a in ARMS if a.name in names]
@@ -252,7 +265,11 @@ def experiment(smoke: bool = False, arms: Sequence[str] | None = None) -> Experi
     return Experiment(
         name=f"{NAME}_smoke" if smoke else NAME,
         arms=[
-            Arm(a.name, runner(a, epochs, accountant), a.grid()[len(a.values) // 2 :][:1] if smoke else a.grid())
+            Arm(
+                a.name,
+                runner(a, epochs, accountant, memo=smoke),
+                a.grid()[len(a.values) // 2 :][:1] if smoke else a.grid(),
+            )
             for a in specs
         ],
         criteria=[c for c in CRITERIA if c.better in names and c.worse in names],

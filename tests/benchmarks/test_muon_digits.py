@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -100,6 +101,15 @@ def test_the_registered_experiment(md: ModuleType) -> None:
     assert exp.settings["expected_batch"] == 256 and exp.settings["max_grad_norm"] == 1.0
     with pytest.raises(SystemExit, match="unknown arms"):
         md.experiment(arms=["DP-Adam", "DP-Lion"])
+
+
+def test_only_the_smoke_run_memoises_the_calibration(md: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The smoke's runs share one σ calibration (it was most of a 1-epoch run); the real runs each calibrate."""
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(md, "run_arm", lambda *args: calls.append(args) or {})
+    for smoke in (True, False):
+        md.experiment(smoke).arms[0].run({"lr": 0.01}, 0, "val")
+    assert [(c[4], c[5], c[6]) for c in calls] == [(1, "rdp", True), (40, "prv", False)]
 
 
 def test_every_arm_builds_the_optimizer_it_names(md: ModuleType, tmp_path: Path) -> None:
