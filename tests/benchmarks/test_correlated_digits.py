@@ -12,17 +12,14 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "correlated_digits.py"
 N_TRAIN = 1258  # DigitsDataModule's train split
 
 
@@ -46,16 +43,15 @@ def _rmse_per_sigma(n: int, momentum: float) -> float:
     return math.sqrt(total / n)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # a benchmark smoke run, now in this process (it was `slow` for its fresh interpreter)
 @pytest.mark.timeout(300)
 def test_smoke_run_is_equal_epsilon_paired_and_records_the_expected_error(cd: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "correlated_digits_smoke.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--figures", str(tmp_path / "fig")],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    threads = torch.get_num_threads()
+    try:  # in this process: the module is imported already, a fresh interpreter would import it again
+        cd.main(["--smoke", "--out", str(out), "--figures", str(tmp_path / "fig")])
+    finally:
+        torch.set_num_threads(threads)  # main() runs on one thread
     record = json.loads(out.read_text())
     names = [a.name for a in cd.ARMS]
     assert record["status"] == "complete" and record["experiment"] == "correlated_digits_cpu_smoke"

@@ -11,10 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -23,7 +20,6 @@ import torch
 from torch.utils.data import TensorDataset
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "grape_digits.py"
 GRAPE_EXTRAS = ("rank", "projection_entry_std", "lift_scale", "refresh_every", "subspaces", "projected_matrices")
 
 
@@ -38,12 +34,11 @@ def gd(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 @pytest.mark.timeout(300)
 def test_smoke_run_records_paired_runs_criteria_and_collapse(gd: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "grape_digits_smoke.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--figures", str(tmp_path / "fig")],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    threads = torch.get_num_threads()
+    try:  # in this process: the module is imported already, a fresh interpreter would import it again
+        gd.main(["--smoke", "--out", str(out), "--figures", str(tmp_path / "fig")])
+    finally:
+        torch.set_num_threads(threads)  # main() runs on one thread
     record = json.loads(out.read_text())
     assert record["status"] == "complete" and record["experiment"] == "grape_digits_cpu_smoke"
     assert list(record["arms"]) == list(gd.SMOKE_ARMS)

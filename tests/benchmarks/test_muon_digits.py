@@ -10,17 +10,14 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "muon_digits.py"
 
 
 @pytest.fixture
@@ -34,12 +31,11 @@ def md(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 @pytest.mark.timeout(300)
 def test_smoke_run_records_paired_runs_and_muon_diagnostics(md: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "muon_digits_smoke.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--figures", str(tmp_path / "fig")],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    threads = torch.get_num_threads()
+    try:  # in this process: the module is imported already, a fresh interpreter would import it again
+        md.main(["--smoke", "--out", str(out), "--figures", str(tmp_path / "fig")])
+    finally:
+        torch.set_num_threads(threads)  # main() runs on one thread
     record = json.loads(out.read_text())
     assert record["status"] == "complete" and record["experiment"] == "muon_digits_cpu_smoke"
     assert list(record["arms"]) == list(md.SMOKE_ARMS)
