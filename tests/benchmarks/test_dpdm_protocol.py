@@ -10,10 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -110,14 +107,13 @@ def test_regime_sigma_is_the_smallest_that_meets_epsilon_and_the_ratio_follows(m
 
 @pytest.mark.e2e
 @pytest.mark.timeout(900)  # 14 short trainings, LocalFeatures and the classifiers: minutes on a shared CPU
-def test_e1_smoke_run_goes_through_the_protocol(tmp_path: Path) -> None:
+def test_e1_smoke_run_goes_through_the_protocol(dp: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "s"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "dpdm_protocol.py"), "--smoke", "--only", "E1", "--out", str(out),
-         "--figures", str(tmp_path / "fig")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    threads = torch.get_num_threads()
+    try:  # in this process: the module is imported already, a fresh interpreter would import it again
+        dp.main(["--smoke", "--only", "E1", "--out", str(out), "--figures", str(tmp_path / "fig")])
+    finally:
+        torch.set_num_threads(threads)  # main() runs on one thread
     record = json.loads((tmp_path / "s_k.json").read_text())
     assert record["status"] == "complete" and set(record["arms"]) == {"K=1", "K=4"}
     finals = [r for r in record["runs"] if r["phase"] == "final"]
