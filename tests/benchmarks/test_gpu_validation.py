@@ -255,3 +255,18 @@ def test_scrub_removes_machine_paths(gv: ModuleType) -> None:
     text = f'File "/opt/x/lib/python3.12/site-packages/torch/nn.py", line 3\n{gv.ROOT}/benchmarks/engines.py'
     assert gv.scrub(text) == 'File "<site-packages>/torch/nn.py", line 3\n<repo>/benchmarks/engines.py'
     assert gv.command_line(["--out-dir", "/tmp/out", "--smoke"]).endswith("--out-dir <path> --smoke")
+
+
+def test_only_the_smoke_dpdm_row_calibrates_sigma_once(gv: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its three fits ask the same σ: under --smoke a memo answers the second and third; the GPU run calibrates each."""
+    import dplightning.strategies.accounting as accounting
+
+    original, memoised = accounting.calibrate_noise_multiplier, []
+
+    def row(*args: Any) -> None:
+        memoised.append(accounting.calibrate_noise_multiplier is not original)
+
+    monkeypatch.setattr(gv, "_dpdm_row", row)
+    for small in (True, False):
+        gv.run_dpdm_row(_context(gv, small=small), gv.DPDM_SMOKE, 10.0)
+    assert memoised == [True, False] and accounting.calibrate_noise_multiplier is original
