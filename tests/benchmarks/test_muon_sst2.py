@@ -149,12 +149,7 @@ def test_smoke_run_records_selection_on_val_and_paired_final_runs_on_test(ms: Mo
     assert record["status"] == "complete" and record["experiment"] == "muon_sst2_cpu_smoke"
     assert list(record["arms"]) == ["DP-Adam", "DP-Muon"]
     data, design = record["identity"]["settings"]["data"], ms.SMOKE
-    assert (data["pool_rows"], data["val_rows"], data["selection_train_rows"], data["test_rows"]) == (
-        300,
-        100,
-        200,
-        100,
-    )
+    assert (data["pool_rows"], data["val_rows"], data["selection_train_rows"], data["test_rows"]) == (300, 50, 250, 50)
 
     # The pool of the record is the one drawn here, and no dev sentence is in it.
     pool = ms.build_pool(DATA, design.pool_rows, design.max_tokens)
@@ -169,8 +164,8 @@ def test_smoke_run_records_selection_on_val_and_paired_final_runs_on_test(ms: Mo
         assert [(r["seed"], r["split"]) for r in select] == [(100, "val")]
         assert [(r["seed"], r["split"]) for r in final] == [(s, "test") for s in ms.FINAL_SEEDS]
         assert {json.dumps(r["hparams"]) for r in final} == {json.dumps(record["selection"][name]["hparams"])}
-        assert all((r["metrics"]["train_rows"], r["metrics"]["eval_rows"]) == (200, 100) for r in select)
-        assert all((r["metrics"]["train_rows"], r["metrics"]["eval_rows"]) == (300, 100) for r in final)
+        assert all((r["metrics"]["train_rows"], r["metrics"]["eval_rows"]) == (250, 50) for r in select)
+        assert all((r["metrics"]["train_rows"], r["metrics"]["eval_rows"]) == (300, 50) for r in final)
         for r in mine:
             m = r["metrics"]
             assert 0 <= m["accuracy"] <= 1 and m["steps"] == 2 and m["sigma"] > 0 and 0 < m["delta"] < 1
