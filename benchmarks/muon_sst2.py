@@ -146,8 +146,8 @@ class Design:
 
 
 # The smoke run's sizes, to check the code path in about a minute (no result): GDP calibrates σ in
-# 0.05 s where PRV and RDP take 1-5 s, and a forward pass over all 872 dev sentences takes ~8 s (over
-# 100, a third of a run's time: 50 rows to evaluate).
+# 0.05 s where PRV and RDP take 1-5 s, and a forward pass over all 872 dev sentences takes ~8 s (over 100
+# rows it was still a third of a smoke run's time, so 50 rows are evaluated).
 SMOKE = Design(pool_rows=300, val_rows=50, steps=2, batch=8, accountant="gdp", test_rows=50)
 
 
