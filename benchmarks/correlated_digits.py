@@ -90,6 +90,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _harness import quiet_trainer
 from _outputs import default_figures, default_result
 from _protocol import Arm, Criterion, Experiment, run_experiment
 from _protocol import _write_json as write_json
@@ -98,10 +99,10 @@ from grape_digits import evaluate, memoised_calibration
 from dplightning import DPStrategy
 from dplightning.data import DigitsDataModule
 from dplightning.models import SmallCNN
-from dplightning.tasks import ImageClassifier
 from dplightning.privacy.matrix_mechanism import Workload, expected_error, identity_strategy
 from dplightning.strategies import DPState
 from dplightning.strategies.correlated import describe_workload, workload_of
+from dplightning.tasks import ImageClassifier
 
 NAME = "correlated_digits_cpu"
 STEPS, BATCH, EPSILON, MAX_GRAD_NORM, MOMENTUM, CHANNELS = 1600, 64, 8.0, 1.0, 0.9, 16
@@ -155,14 +156,7 @@ CRITERIA = tuple(Criterion(a.name, DP_SGD) for a in ARMS if a.name != DP_SGD)
 
 
 class BatchRows(pl.Callback):
-    """The sampled batch size of every step (public here: a check of the sampler's rate).
-
-    It also stands in for the strategy's per-step ε in the progress bar (``shows_epsilon``), which
-    nobody reads here and which cost most of a short run (an accountant call at every grid step);
-    the run's ε is computed exactly once at the end (``strategy.get_epsilon()``).
-    """
-
-    shows_epsilon = True
+    """The sampled batch size of every step (public here: a check of the sampler's rate)."""
 
     def __init__(self) -> None:
         self.rows: list[int] = []
@@ -218,9 +212,8 @@ def run_arm(
         )
     rows = BatchRows()
     with tempfile.TemporaryDirectory() as tmp, memoised_calibration() if memo else contextlib.nullcontext():
-        trainer = pl.Trainer(
-            strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        trainer = quiet_trainer(
+            strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1,
             limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rows], default_root_dir=tmp,
         )  # fmt: skip
         with warnings.catch_warnings():

@@ -83,6 +83,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _harness import quiet_trainer
 from _outputs import default_figures, default_result
 from _protocol import Arm, Criterion, Experiment, paired_interval, run_experiment
 from _protocol import _write_json as write_json
@@ -147,12 +148,6 @@ class Budget:
     batch: int = BATCH
 
 
-class QuietEpsilon(pl.Callback):
-    """Stands in for the per-step ε of the progress bar (nobody reads it here; ε is computed once at the end)."""
-
-    shows_epsilon = True
-
-
 def data_module(data: str, batch_size: int = BATCH) -> pl.LightningDataModule:
     """The data set of ``--data`` (its ``val_set`` and ``test_set`` are the two splits)."""
     if data == "digits":
@@ -193,10 +188,9 @@ def fit(module: pl.LightningModule, data: str, epsilon: float, seed: int, steps:
     strategy = strategy_for(epsilon, seed)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*seed= is FOR TESTS ONLY.*")
-        trainer = pl.Trainer(
-            strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, num_sanity_val_steps=0, callbacks=[QuietEpsilon()], default_root_dir=tmp,
+        trainer = quiet_trainer(
+            strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1,
+            limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp,
         )  # fmt: skip
         start = time.perf_counter()
         trainer.fit(module, datamodule=data_module(data, batch))

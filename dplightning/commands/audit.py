@@ -260,8 +260,6 @@ class _CanaryProbe(pl.LightningModule):
 class _CanaryRecorder(pl.Callback):
     """Keeps the canary coordinates after every optimizer step (the released iterates)."""
 
-    shows_epsilon = True  # stands in for the strategy's per-step ε display: the audit needs ε once
-
     def __init__(self) -> None:
         self.iterates: list[Tensor] = []
 
