@@ -1,0 +1,413 @@
+"""DP-aware AdaLN-Zero against DP-vanilla on ETTh1 imputation, through the comparison protocol (issue 24).
+
+Every arm trains the same ``TimeSeriesDiT`` (the spec's two-path layout, v-prediction on windows
+centred on their context mean: the setting that learns, ``adaln_learning_check.py``) for the same
+steps, expected batch, C and σ, hence the same ε. The aware arms bound the condition (``c_max``) and
+the modulation (γ/β/α_max) at values calibrated once on the *validation months* by a non-private,
+unbounded twin (``dplightning.methods.adaln_bounds``), then frozen in
+``configs/timeseries/bounds_etth1_imputation.yaml``. A pre-registered, data-independent fault process
+(unit errors ×10 and whole-channel missing blocks over one channel of the window, targets clean) hits
+a share p of the *training* windows; every final run is scored on the clean test windows (the
+metric) and on the same windows with every one faulted (``crps_faulted``).
+
+Experiments (paired seeds 0–4; lr tuned per arm on validation windows in ``main`` and
+``nonprivate``, the other experiments reuse ``main``'s selection and say so):
+
+* ``main``: σ = 0.5, p = 3 %: DP-vanilla vs DP-aware (soft). The pre-registered test.
+* ``null``: σ = 0.5, p = 0 (the expected null: no conditioning outliers).
+* ``nonprivate``: no DP, p = 3 %: vanilla vs aware (criterion iv).
+* ``sigma0.1``, ``sigma0``: p = 3 % at σ = 0.1 (clipping-dominated) and σ = 0 (clipping only, ε = ∞).
+* ``ablation``: σ = 0.5, p = 3 %: hard bounds, c-only, modulation-only (DP-vanilla borrowed from ``main``).
+* ``p1``: σ = 0.5, p = 1 %.
+
+The criteria (i)–(iv) and the vacuity rule are written in ``CLAIMS`` and in docs/dp_aware_adaln.md
+before the final runs. The premise diagnostics (per-example gradient norms of the conditioning path
+against the rest, on the faulted and on 256 clean *training* windows, after training) are computed
+from the private data and are NOT differentially private; so are the bind fractions.
+
+    OMP_NUM_THREADS=1 python benchmarks/adaln_protocol.py --workers 2
+    OMP_NUM_THREADS=1 python benchmarks/adaln_protocol.py --smoke            # the code path in a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import functools
+import json
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import yaml
+from scipy import stats
+from _harness import quiet_trainer
+from _outputs import default_figures, default_result
+from _protocol import Arm, Criterion, Experiment, paired_interval, run_experiment
+from _protocol import _write_json as write_json
+from adaln_learning_check import imputation_predictors, score_points
+
+from dplightning import DPStrategy
+from dplightning.callbacks import AdaLNBindFractions
+from dplightning.callbacks._statistics import hill_tail_index
+from dplightning.data import ETTDataModule
+from dplightning.data.ett import WindowDataset
+from dplightning.methods.adaln_bounds import calibrate_bounds, validation_windows, vacuity
+from dplightning.models import TimeSeriesDiT
+from dplightning.models.dit_ts import CONDITIONING_PATTERNS
+from dplightning.tasks import DPTimeSeriesDiffusion
+
+DATA = "../shared/data/ett/ETTh1.csv"
+BOUNDS_FILE = Path(__file__).resolve().parent.parent / "configs" / "timeseries" / "bounds_etth1_imputation.yaml"
+NET: dict[str, Any] = {"hidden": 64, "depth": 2, "heads": 4, "mlp_ratio": 2.0, "patch_size": 8,
+                       "context_path": "tokens_and_c", "context_encoder": "mean"}  # fmt: skip
+MODULE: dict[str, Any] = {"parameterization": "v", "center": "context_mean", "clip_denoised": 5.0}
+FAULTS: dict[str, Any] = {"fault_kinds": ("unit", "missing"), "fault_unit_factors": (10.0,), "fault_seed": 0}
+MAX_GRAD_NORM, MISSING, LRS = 1.0, 0.25, (1e-3, 3e-3)
+PREMISE_CLEAN = 256  # clean training windows beside every faulted one in the premise diagnostics
+TUNING_SEEDS, FINAL_SEEDS = (100,), (0, 1, 2, 3, 4)
+
+VANILLA, AWARE = "DP-vanilla", "DP-aware"
+ARMS: dict[str, dict[str, Any]] = {  # name -> (which bounds, their mode)
+    VANILLA: {"bounds": (), "mode": "soft"},
+    AWARE: {"bounds": ("c", "mod"), "mode": "soft"},
+    "DP-aware hard": {"bounds": ("c", "mod"), "mode": "hard"},
+    "DP-aware c-only": {"bounds": ("c",), "mode": "soft"},
+    "DP-aware modulation-only": {"bounds": ("mod",), "mode": "soft"},
+    "vanilla": {"bounds": (), "mode": "soft"},
+    "aware": {"bounds": ("c", "mod"), "mode": "soft"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    """One experiment's privacy and fault setting, and its arms (``sigma=None``: no DP at all)."""
+
+    sigma: float | None
+    fault_rate: float
+    arms: tuple[str, ...]
+    tuned: bool = False  # False: the arms reuse main's (or nonprivate's) selected lr
+
+
+CONDITIONS: dict[str, Condition] = {  # run in this order: the most important first
+    "main": Condition(0.5, 0.03, (VANILLA, AWARE), tuned=True),
+    "null": Condition(0.5, 0.0, (VANILLA, AWARE)),
+    "nonprivate": Condition(None, 0.03, ("vanilla", "aware"), tuned=True),
+    "sigma0.1": Condition(0.1, 0.03, (VANILLA, AWARE)),
+    "ablation": Condition(0.5, 0.03, (VANILLA, "DP-aware hard", "DP-aware c-only", "DP-aware modulation-only")),
+    "p1": Condition(0.5, 0.01, (VANILLA, AWARE)),
+    "sigma0": Condition(0.0, 0.03, (VANILLA, AWARE)),
+}
+
+CLAIMS = {
+    "vacuity": "an aware arm whose bounds bind, averaged over its 5 final runs (run-pooled shares), on < 1 % or "
+    "> 20 % of examples (projection) or < 1 % or > 10 % of coordinates (any of gamma, beta, alpha) is vacuous: "
+    "its CRPS is not reported as a result",
+    "i": "premise (main, DP-vanilla, after training, training windows): the Hill tail index of the per-example "
+    "gradient norms of the conditioning path is below the rest's in >= 4 of 5 seeds, AND the conditioning "
+    "path's mean share of the squared norm is higher on faulted windows than on clean ones in >= 4 of 5 seeds",
+    "ii": "both DP arms beat the trivial baselines (train mean, LOCF): the upper 90 % t-bound of the arm's mean "
+    "clean-test CRPS over the 5 seeds is below each baseline's CRPS",
+    "iii": "DP-aware's clean-test CRPS is lower than DP-vanilla's in >= 4 of 5 paired seeds AND the mean paired "
+    "difference (vanilla - aware) exceeds 2 paired standard errors",
+    "iv": "non-private aware's mean clean-test CRPS exceeds non-private vanilla's by at most 1 paired standard "
+    "error (lower is not a failure)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Run lengths (the real design, or the smoke run's tiny ones)."""
+
+    steps: int = 600
+    batch: int = 64
+    test_windows: int = 512
+    val_windows: int = 128
+    samples: int = 16
+    calibration_steps: int = 600
+
+
+SMOKE = Budget(steps=4, batch=16, test_windows=8, val_windows=8, samples=2, calibration_steps=30)
+
+
+# ------------------------------------------------------------------ data, model, bounds
+
+
+def data_module(data: str, budget: Budget, fault_rate: float, split: str, test_fault_rate: float = 0.0) -> ETTDataModule:
+    """ETTh1 imputation windows; ``split="val"`` makes the test loop score validation windows (never faulted)."""
+    dm = ETTDataModule(data, task="imputation", input_len=96, batch_size=budget.batch,
+                       max_test_windows=budget.test_windows, eval_batch_size=64, fault_rate=fault_rate,
+                       test_fault_rate=test_fault_rate, **FAULTS)  # fmt: skip
+    dm.setup()
+    if split == "val":
+        dm.test_set = WindowDataset(dm.splits["val"], dm.window, max_windows=budget.val_windows)
+    return dm
+
+
+def build_module(arm: str, bounds: Mapping[str, float], lr: float, samples: int) -> DPTimeSeriesDiffusion:
+    """The arm's module: the shared network, with the calibrated bounds the arm has."""
+    which, mode = ARMS[arm]["bounds"], ARMS[arm]["mode"]
+    limits: dict[str, float] = {}
+    if "c" in which:
+        limits["c_max"] = bounds["c_max"]
+    if "mod" in which:
+        limits |= {k: bounds[k] for k in ("gamma_max", "beta_max", "alpha_max")}
+    net = TimeSeriesDiT(**NET, window=96, bound_mode=mode, **limits)
+    return DPTimeSeriesDiffusion(
+        net, task="imputation", eval_missing_ratio=MISSING, n_samples=samples, **MODULE,
+        optimizer=functools.partial(torch.optim.Adam, lr=lr),
+    )  # fmt: skip
+
+
+def frozen_bounds(data: str, budget: Budget, path: Path) -> dict[str, float]:
+    """The bounds in ``path``; calibrated on the validation months and written there first if absent."""
+    if path.exists():
+        return dict(yaml.safe_load(path.read_text())["model"]["init_args"]["model"]["init_args"])
+    template = build_module(AWARE, {"c_max": 1.0, "gamma_max": 1.0, "beta_max": 1.0, "alpha_max": 1.0}, LRS[0], 1)
+    dm = data_module(data, budget, 0.0, "test")
+    calibrated = calibrate_bounds(template, validation_windows(dm), steps=budget.calibration_steps,
+                                  batch_size=budget.batch, seed=0)  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(calibrated.to_yaml("python benchmarks/adaln_protocol.py (frozen_bounds)"))
+    return calibrated.init_args()
+
+
+# ------------------------------------------------------------------ premise diagnostics (not private)
+
+
+def premise(module: DPTimeSeriesDiffusion, dm: ETTDataModule, seed: int, clean: int = PREMISE_CLEAN) -> dict[str, float]:
+    """Per-example gradient norms of the conditioning path and of the rest, after training, by backward loop.
+
+    On every faulted training window and ``clean`` evenly spaced clean ones, each with its own t, ε and
+    training mask drawn from a generator seeded by the window's index (the same draws for every arm).
+    """
+    train = dm.train_set
+    faulted = sorted(getattr(train, "faults", {}))
+    clean_ids = [i for i in np.linspace(0, len(train) - 1, clean + len(faulted)).astype(int).tolist()
+                 if i not in set(faulted)][:clean]  # fmt: skip
+    names = [n for n, p in module.model.named_parameters() if p.requires_grad]
+    is_cond = np.array([any(fnmatch.fnmatch(n, pat) for pat in CONDITIONING_PATTERNS) for n in names])
+    params = [p for p in module.model.parameters() if p.requires_grad]
+    rows: list[tuple[float, float, bool]] = []
+    for i in faulted + clean_ids:
+        item = train[i]
+        batch = [t.unsqueeze(0) for t in item] if isinstance(item, tuple) else item.unsqueeze(0)
+        x, observed, target = module.unpack_windows(batch)
+        g = torch.Generator().manual_seed(10_000 + i)
+        cond = module.conditioning_mask(observed, g)
+        loss = module.per_example_loss(x, observed, cond, g, target).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        sq = np.array([0.0 if gr is None else float(gr.double().pow(2).sum()) for gr in grads])
+        rows.append((float(sq[is_cond].sum()), float(sq[~is_cond].sum()), i in faulted))
+    cond_sq, rest_sq, is_faulted = (np.array(c) for c in zip(*rows))
+    total = np.sqrt(cond_sq + rest_sq)
+    share = cond_sq / np.maximum(cond_sq + rest_sq, 1e-30)
+    out = {
+        "hill_cond": hill_tail_index(np.sqrt(cond_sq)),
+        "hill_rest": hill_tail_index(np.sqrt(rest_sq)),
+        "share_clean": float(share[~is_faulted].mean()),
+        "clip_rate_clean": float((total[~is_faulted] > MAX_GRAD_NORM).mean()),
+    }
+    if is_faulted.any():
+        out |= {"share_faulted": float(share[is_faulted].mean()),
+                "clip_rate_faulted": float((total[is_faulted] > MAX_GRAD_NORM).mean())}  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------ one run
+
+
+def run_arm(data: str, budget: Budget, bounds: Mapping[str, float], condition: Condition, arm: str,
+            hparams: Mapping[str, Any], seed: int, split: str) -> dict[str, float]:  # fmt: skip
+    """Train one arm; CRPS (de-normalised) on ``split``'s clean windows, and on faulted test windows."""
+    pl.seed_everything(seed, verbose=False)
+    module = build_module(arm, bounds, float(hparams["lr"]), budget.samples)
+    dm = data_module(data, budget, condition.fault_rate, split)
+    private = condition.sigma is not None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*seed= is FOR TESTS ONLY.*")  # paired on purpose
+        strategy: Any = (DPStrategy(noise_multiplier=condition.sigma, max_grad_norm=MAX_GRAD_NORM, seed=seed)
+                         if private else "auto")  # fmt: skip
+        bind = AdaLNBindFractions(every_n_steps=50) if ARMS[arm]["bounds"] else None
+        trainer = quiet_trainer(strategy=strategy, max_steps=budget.steps, max_epochs=-1, limit_val_batches=0,
+                                num_sanity_val_steps=0, callbacks=[bind] if bind else [])  # fmt: skip
+        start = time.perf_counter()
+        trainer.fit(module, datamodule=dm)
+        metrics: dict[str, float] = {"fit_seconds": time.perf_counter() - start}
+    if private:
+        metrics |= {"epsilon": strategy.get_epsilon(), "delta": strategy.dp_state.delta,
+                    "sample_rate": strategy.dp_state.sample_rate}  # fmt: skip
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    (scored,) = trainer.test(module, dm, verbose=False)
+    metrics |= {k.removeprefix("test_"): float(v) for k, v in scored.items()}
+    if split == "test":
+        torch.manual_seed(seed)
+        (faulted,) = trainer.test(module, data_module(data, budget, condition.fault_rate, split, 1.0), verbose=False)
+        metrics |= {f"{k.removeprefix('test_')}_faulted": float(v) for k, v in faulted.items()}
+        module.eval()
+        metrics |= {f"premise_{k}": v for k, v in premise(module, dm, seed).items()}
+    metrics["test_seconds"] = time.perf_counter() - start
+    if bind is not None:
+        fractions = bind.run_fractions
+        metrics |= {f"bind_{k}": v for k, v in fractions.items()}
+        metrics["vacuous"] = float(vacuity(fractions).vacuous)
+    return metrics
+
+
+# ------------------------------------------------------------------ experiments and claims
+
+
+def experiment(name: str, data: str, budget: Budget, bounds: Mapping[str, float],
+               selected: Mapping[str, float]) -> Experiment:  # fmt: skip
+    """The protocol experiment of one condition; untuned conditions take ``selected`` (arm -> lr)."""
+    condition = CONDITIONS[name]
+    arms = []
+    for arm in condition.arms:
+        run = functools.partial(run_arm, data, budget, bounds, condition, arm)
+        if condition.tuned or (name == "ablation" and arm == VANILLA):  # ablation borrows main's tuned DP-vanilla
+            arms.append(Arm(arm, run, [{"lr": lr} for lr in LRS]))
+        else:
+            source = VANILLA if arm == VANILLA else AWARE  # ablations take DP-aware's lr
+            arms.append(Arm(arm, run, [{"lr": selected[source]}],
+                            fixed=f"lr selected for {source} by the pre-registered experiment 'main'"))  # fmt: skip
+    reference = condition.arms[0]
+    return Experiment(
+        name=name, arms=arms, criteria=[Criterion(a, reference) for a in condition.arms[1:]], metric="crps",
+        higher_is_better=False, tuning_seeds=TUNING_SEEDS, final_seeds=FINAL_SEEDS,
+        settings={"sigma": condition.sigma, "fault_rate": condition.fault_rate,
+                  "arms": {arm: {k: list(v) if isinstance(v, tuple) else v for k, v in ARMS[arm].items()}
+                           for arm in condition.arms},
+                  "budget": dataclasses.asdict(budget), "net": NET,
+                  "module": MODULE, "faults": {k: list(v) if isinstance(v, tuple) else v for k, v in FAULTS.items()},
+                  "bounds": dict(bounds), "max_grad_norm": MAX_GRAD_NORM, "missing_ratio": MISSING,
+                  "privacy_unit": "one window of 96 consecutive hourly rows (7 channels); windows overlap, so one "
+                  "row lies in up to 96 windows and its privacy is NOT what epsilon states",
+                  "claims": CLAIMS},
+    )  # fmt: skip
+
+
+def final_values(record: Mapping[str, Any], arm: str, metric: str) -> list[float]:
+    """The arm's final-run values of ``metric``, in final-seed order."""
+    runs = {r["seed"]: r["metrics"] for r in record["runs"] if r["phase"] == "final" and r["arm"] == arm}
+    return [float(runs[s][metric]) for s in sorted(runs) if metric in runs[s]]
+
+
+def judge(records: Mapping[str, Mapping[str, Any]], baselines: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    """The pre-registered criteria (i)–(iv) and the vacuity rule on the complete records."""
+    out: dict[str, Any] = {"claims": CLAIMS}
+    main = records.get("main")
+    if main is None:
+        return out
+    vac = {}
+    for name, record in records.items():
+        for arm in CONDITIONS[name].arms:
+            if not ARMS[arm]["bounds"]:
+                continue
+            fractions = {k: statistics.fmean(final_values(record, arm, f"bind_{k}"))
+                         for k in ("projection", "gamma", "beta", "alpha")
+                         if final_values(record, arm, f"bind_{k}")}  # fmt: skip
+            if fractions:
+                verdict = vacuity(fractions)
+                vac[f"{name}/{arm}"] = {"vacuous": verdict.vacuous, "reasons": list(verdict.reasons),
+                                        "fractions": fractions}  # fmt: skip
+    out["vacuity"] = vac
+    hc, hr = final_values(main, VANILLA, "premise_hill_cond"), final_values(main, VANILLA, "premise_hill_rest")
+    sf, sc = final_values(main, VANILLA, "premise_share_faulted"), final_values(main, VANILLA, "premise_share_clean")
+    tail = sum(a < b for a, b in zip(hc, hr))
+    share = sum(a > b for a, b in zip(sf, sc))
+    out["i"] = {"passed": tail >= 4 and share >= 4, "tail_lower_in": tail, "share_higher_in": share,
+                "hill_cond": hc, "hill_rest": hr, "share_faulted": sf, "share_clean": sc}  # fmt: skip
+    ii: dict[str, Any] = {}
+    for arm in (VANILLA, AWARE):
+        values = final_values(main, arm, "crps")
+        upper = statistics.fmean(values) + _t90(len(values)) * statistics.stdev(values) / math.sqrt(len(values))
+        ii[arm] = {"mean": statistics.fmean(values), "upper90": upper,
+                   "beats": {b: upper < baselines[b]["crps"] for b in ("train_mean", "locf")}}  # fmt: skip
+    out["ii"] = {"passed": all(all(v["beats"].values()) for v in ii.values()), **ii}
+    out["iii"] = {f"{name}/{arm}": _paired_rule(record, CONDITIONS[name].arms[0], arm, vac.get(f"{name}/{arm}"))
+                  for name, record in records.items() if name != "nonprivate"
+                  for arm in CONDITIONS[name].arms[1:]}  # fmt: skip
+    if "nonprivate" in records:
+        v, a = (final_values(records["nonprivate"], arm, "crps") for arm in ("vanilla", "aware"))
+        diffs = [y - x for x, y in zip(v, a)]
+        se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+        out["iv"] = {"passed": statistics.fmean(diffs) <= se, "mean_aware_minus_vanilla": statistics.fmean(diffs),
+                     "se": se}  # fmt: skip
+    return out
+
+
+def _paired_rule(record: Mapping[str, Any], reference: str, arm: str, vac: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Criterion (iii) for ``arm`` against ``reference`` (lower CRPS is better)."""
+    ref, new = final_values(record, reference, "crps"), final_values(record, arm, "crps")
+    diffs = [r - n for r, n in zip(ref, new)]  # > 0: the arm is better
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+    wins = sum(d > 0 for d in diffs)
+    result = {"wins": wins, "mean_improvement": statistics.fmean(diffs), "se": se,
+              "interval90": paired_interval(diffs), "passed": wins >= 4 and statistics.fmean(diffs) > 2 * se}  # fmt: skip
+    if vac and vac["vacuous"]:
+        result |= {"passed": False, "vacuous": True, "note": "vacuous arm: not reported as a result"}
+    return result
+
+
+def _t90(n: int) -> float:
+    return float(stats.t.ppf(0.95, n - 1))
+
+
+def baselines(data: str, budget: Budget) -> dict[str, dict[str, float]]:
+    """Point baselines on the clean test windows and masks the module scores (CRPS de-normalised)."""
+    dm = data_module(data, budget, 0.0, "test")
+    module = build_module(VANILLA, {}, LRS[0], 1)
+    batches = [(x, module.evaluation_mask(torch.ones_like(x), i)) for i, x in enumerate(dm.test_dataloader())]
+    predictors = imputation_predictors(dm, MISSING)
+    return {name: score_points([fn(x, c) for x, c in batches], batches, dm) for name, fn in predictors.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=DATA)
+    parser.add_argument("--smoke", action="store_true", help="tiny runs: the code path, no result")
+    parser.add_argument("--only", nargs="+", choices=list(CONDITIONS), help="run these experiments (main first)")
+    parser.add_argument("--out", type=str, default=None, help="the records' prefix (default: outputs/benchmarks/)")
+    parser.add_argument("--figures", type=Path, default=None, help="the figure folder (default: outputs/figures/)")
+    parser.add_argument("--bounds", type=Path, default=None, help="the frozen bounds (default: configs/timeseries/)")
+    parser.add_argument("--workers", type=int, default=1, help="runs at once, one thread each (forked processes)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    budget = SMOKE if args.smoke else Budget()
+    prefix = (args.out or str(default_result(f"adaln_etth1{'_smoke' if args.smoke else ''}"))).removesuffix(".json")
+    figures = args.figures or default_figures()
+    bounds_path = args.bounds or (Path(f"{prefix}_bounds.yaml") if args.smoke else BOUNDS_FILE)
+    bounds = frozen_bounds(args.data, budget, bounds_path)
+    stem = Path(prefix).name
+    base = baselines(args.data, budget)
+    records: dict[str, dict[str, Any]] = {}
+    selected: dict[str, float] = {}
+    for name in args.only or list(CONDITIONS):
+        if name != "main" and not CONDITIONS[name].tuned and not selected:
+            main_record = json.loads(Path(f"{prefix}_main.json").read_text())
+            selected = {a: s["hparams"]["lr"] for a, s in main_record["selection"].items()}
+        exp = experiment(name, args.data, budget, bounds, selected)
+        borrow = {VANILLA: Path(f"{prefix}_main.json")} if name == "ablation" else None
+        records[name] = run_experiment(dataclasses.replace(exp, name=f"{stem}_{name}"), out=Path(f"{prefix}_{name}.json"),
+                                       figures=figures, threads=1, workers=args.workers, borrow=borrow)  # fmt: skip
+        if name == "main":
+            selected = {a: s["hparams"]["lr"] for a, s in records[name]["selection"].items()}
+        claims = {"baselines": base, "bounds": bounds, **judge(records, base)}
+        write_json(Path(f"{prefix}_claims.json"), claims)
+    print(json.dumps({k: v for k, v in claims.items() if k not in ("claims",)}, indent=1, default=str))
+    return claims
+
+
+if __name__ == "__main__":
+    main()
