@@ -48,19 +48,19 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import yaml
-from scipy import stats
 from _harness import quiet_trainer
 from _outputs import default_figures, default_result
 from _protocol import Arm, Criterion, Experiment, paired_interval, run_experiment
 from _protocol import _write_json as write_json
 from adaln_learning_check import imputation_predictors, score_points
+from scipy import stats
 
 from dplightning import DPStrategy
 from dplightning.callbacks import AdaLNBindFractions
 from dplightning.callbacks._statistics import hill_tail_index
 from dplightning.data import ETTDataModule
 from dplightning.data.ett import WindowDataset
-from dplightning.methods.adaln_bounds import calibrate_bounds, validation_windows, vacuity
+from dplightning.methods.adaln_bounds import calibrate_bounds, vacuity, validation_windows
 from dplightning.models import TimeSeriesDiT
 from dplightning.models.dit_ts import CONDITIONING_PATTERNS
 from dplightning.tasks import DPTimeSeriesDiffusion
@@ -141,7 +141,9 @@ SMOKE = Budget(steps=4, batch=16, test_windows=8, val_windows=8, samples=2, cali
 # ------------------------------------------------------------------ data, model, bounds
 
 
-def data_module(data: str, budget: Budget, fault_rate: float, split: str, test_fault_rate: float = 0.0) -> ETTDataModule:
+def data_module(
+    data: str, budget: Budget, fault_rate: float, split: str, test_fault_rate: float = 0.0
+) -> ETTDataModule:
     """ETTh1 imputation windows; ``split="val"`` makes the test loop score validation windows (never faulted)."""
     dm = ETTDataModule(data, task="imputation", input_len=96, batch_size=budget.batch,
                        max_test_windows=budget.test_windows, eval_batch_size=64, fault_rate=fault_rate,
@@ -183,7 +185,7 @@ def frozen_bounds(data: str, budget: Budget, path: Path) -> dict[str, float]:
 # ------------------------------------------------------------------ premise diagnostics (not private)
 
 
-def premise(module: DPTimeSeriesDiffusion, dm: ETTDataModule, seed: int, clean: int = PREMISE_CLEAN) -> dict[str, float]:
+def premise(module: DPTimeSeriesDiffusion, dm: ETTDataModule, clean: int = PREMISE_CLEAN) -> dict[str, float]:
     """Per-example gradient norms of the conditioning path and of the rest, after training, by backward loop.
 
     On every faulted training window and ``clean`` evenly spaced clean ones, each with its own t, ε and
@@ -254,7 +256,7 @@ def run_arm(data: str, budget: Budget, bounds: Mapping[str, float], condition: C
         (faulted,) = trainer.test(module, data_module(data, budget, condition.fault_rate, split, 1.0), verbose=False)
         metrics |= {f"{k.removeprefix('test_')}_faulted": float(v) for k, v in faulted.items()}
         module.eval()
-        metrics |= {f"premise_{k}": v for k, v in premise(module, dm, seed).items()}
+        metrics |= {f"premise_{k}": v for k, v in premise(module, dm).items()}
     metrics["test_seconds"] = time.perf_counter() - start
     if bind is not None:
         fractions = bind.run_fractions
@@ -350,9 +352,9 @@ def _paired_rule(record: Mapping[str, Any], reference: str, arm: str, vac: Mappi
     ref, new = final_values(record, reference, "crps"), final_values(record, arm, "crps")
     diffs = [r - n for r, n in zip(ref, new)]  # > 0: the arm is better
     se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-    wins = sum(d > 0 for d in diffs)
-    result = {"wins": wins, "mean_improvement": statistics.fmean(diffs), "se": se,
-              "interval90": paired_interval(diffs), "passed": wins >= 4 and statistics.fmean(diffs) > 2 * se}  # fmt: skip
+    wins, mean = sum(d > 0 for d in diffs), statistics.fmean(diffs)
+    result = {"wins": wins, "mean_improvement": mean, "se": se, "interval90": paired_interval(diffs),
+              "passed": wins >= 4 and mean > 2 * se}  # fmt: skip
     if vac and vac["vacuous"]:
         result |= {"passed": False, "vacuous": True, "note": "vacuous arm: not reported as a result"}
     return result
@@ -399,8 +401,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             selected = {a: s["hparams"]["lr"] for a, s in main_record["selection"].items()}
         exp = experiment(name, args.data, budget, bounds, selected)
         borrow = {VANILLA: Path(f"{prefix}_main.json")} if name == "ablation" else None
-        records[name] = run_experiment(dataclasses.replace(exp, name=f"{stem}_{name}"), out=Path(f"{prefix}_{name}.json"),
-                                       figures=figures, threads=1, workers=args.workers, borrow=borrow)  # fmt: skip
+        exp = dataclasses.replace(exp, name=f"{stem}_{name}")
+        records[name] = run_experiment(exp, out=Path(f"{prefix}_{name}.json"), figures=figures, threads=1,
+                                       workers=args.workers, borrow=borrow)  # fmt: skip
         if name == "main":
             selected = {a: s["hparams"]["lr"] for a, s in records[name]["selection"].items()}
         claims = {"baselines": base, "bounds": bounds, **judge(records, base)}
