@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,11 +126,12 @@ class _HF(nn.Module):
         return self.model(pixel_values=x).logits
 
 
-def _gptneo() -> nn.Module:
+def _gptneo(seq: int = SEQ) -> nn.Module:
+    """The GPT-Neo workload's model, for sequences of up to ``seq`` tokens."""
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
     config = GPTNeoConfig(
-        num_layers=4, hidden_size=256, num_heads=8, vocab_size=VOCAB, max_position_embeddings=SEQ,
+        num_layers=4, hidden_size=256, num_heads=8, vocab_size=VOCAB, max_position_embeddings=seq,
         attention_types=[[["global", "local"], 2]], window_size=64, embed_dropout=0.0, attention_dropout=0.0,
         resid_dropout=0.0, tie_word_embeddings=False,  # Opacus' ghost mode refuses tied embeddings
     )  # fmt: skip
@@ -179,8 +180,9 @@ class Task(pl.LightningModule):
 
 
 def _lightning(
-    runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int, clipping: str, place: Placement
-) -> StepClock:
+    runner: str, net: nn.Module, w: Workload, loader: DataLoader, steps: int, clipping: str, place: Placement,
+    callbacks: Sequence[pl.Callback] = (),
+) -> StepClock:  # fmt: skip
     strategy: Any = "auto"
     if runner.startswith("dp_"):
         strategy = dplightning.DPStrategy(
@@ -189,7 +191,7 @@ def _lightning(
     clock = StepClock(steps, sync=place.synchronize)
     trainer = quiet_trainer(
         strategy=strategy, accelerator=place.accelerator, devices=1, precision=place.precision, max_steps=1000,
-        callbacks=[clock], num_sanity_val_steps=0,
+        callbacks=[clock, *callbacks], num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(Task(net, w.language_model), loader)
     return clock
@@ -249,12 +251,15 @@ def _opacus(
 
 
 def train_runner(
-    runner: str, w: Workload, steps: int, warmup: int, clipping: str = "flat", place: Placement = CPU
-) -> StepClock:
+    runner: str, w: Workload, steps: int, warmup: int, clipping: str = "flat", place: Placement = CPU,
+    callbacks: Sequence[pl.Callback] = (),
+) -> StepClock:  # fmt: skip
     """Train ``w`` with ``runner`` for ``warmup + steps`` recorded steps (and one closing step); its clock.
 
     Every step falls in the first epoch (q = B / N with N = B x (warmup + steps + 3)). The
     model is built on ``place``'s device from seed 0, so every runner starts from the same one.
+    ``callbacks`` join the Lightning runners' Trainer (e.g. to read the DP strategy's engine
+    table); the Opacus runners have no Trainer and ignore them.
     """
     if runner not in RUNNERS:
         raise ValueError(f"Unknown runner {runner!r}; choose one of {RUNNERS}.")
@@ -262,8 +267,9 @@ def train_runner(
     torch.manual_seed(0)
     with place.device:
         net = w.build()
-    train = _opacus if runner.startswith("opacus") else _lightning
-    return train(runner, net, w, loader, warmup + steps, clipping, place)
+    if runner.startswith("opacus"):
+        return _opacus(runner, net, w, loader, warmup + steps, clipping, place)
+    return _lightning(runner, net, w, loader, warmup + steps, clipping, place, callbacks)
 
 
 def measure(
