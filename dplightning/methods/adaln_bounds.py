@@ -1,9 +1,10 @@
 """DP-aware AdaLN-Zero's bounds from information outside the private training data, and the vacuous-arm rule.
 
 The spec says not to set c_max, γ_max, β_max, α_max from statistics of the private data unless that release is
-accounted for. Issue 24 (item 3) sets them from the validation months instead: a **non-private** model of the
-same architecture (the arm's network with every bound off, freshly initialised) is trained on the validation
-windows only, and each bound is put at the 95th percentile of what it bounds there:
+accounted for. Issue 24 (item 3) sets them from the validation months instead: a model of the same architecture
+(the arm's network with every bound off, freshly initialised) is trained on the validation windows only, without
+DP or (``noise_multiplier``) with DP-SGD like the private run, and each bound is put at the 95th percentile of
+what it bounds there:
 
 * c_max: of ‖c̃‖ per example, c̃ the vector the L2 ball projects (t_emb + ctx, or ctx with ``project="ctx"``);
 * γ_max, β_max, α_max: of |γ̃|, |β̃|, |α̃|, the raw (pre-bound) modulation coordinates, pooled over every block
@@ -119,13 +120,26 @@ def fit_on_windows(
     batch_size: int = 64,
     seed: int = 0,
     accelerator: str = "cpu",
+    noise_multiplier: float | None = None,
+    max_grad_norm: float = 1.0,
 ) -> DPTimeSeriesDiffusion:
-    """Train ``module`` without DP for ``steps`` steps on ``windows`` (shuffled, seeded); return it.
+    """Train ``module`` for ``steps`` steps on ``windows`` (shuffled, seeded); return it.
 
-    ``windows`` must be held-out data (the validation windows): this is the non-private calibration model.
+    ``windows`` must be held-out data (the validation windows). By default the model trains without DP. With
+    ``noise_multiplier`` it trains with DP-SGD at that σ, clipping bound ``max_grad_norm`` and expected batch
+    ``batch_size`` (Poisson sampling over ``windows``): the regime of a private run, whose conditioning values
+    stay far smaller than a non-private model's. The DP here only mimics that regime; the held-out windows are
+    not protected by it.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}.")
+    if noise_multiplier is not None and not (noise_multiplier >= 0 and max_grad_norm > 0):
+        raise ValueError(f"need noise_multiplier >= 0 and max_grad_norm > 0, got {noise_multiplier}, {max_grad_norm}.")
+    strategy: Any = "auto"
+    if noise_multiplier is not None:
+        from dplightning.strategies.single_device import DPStrategy  # the strategies import the tasks' package
+
+        strategy = DPStrategy(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm)
     pl.seed_everything(seed, verbose=False)  # t, ε and the training masks of the fit
     loader = DataLoader(
         windows, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed), drop_last=False
@@ -133,6 +147,7 @@ def fit_on_windows(
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=1,
+        strategy=strategy,
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -231,8 +246,9 @@ class CalibratedBounds:
         bounds: γ_max, β_max, α_max and the mode.
         quantile: The percentile (0.95).
         windows: Windows the values were taken on.
-        steps: Steps the non-private model was trained.
+        steps: Steps the calibration model was trained.
         seed: The seed of its initialisation, training and statistics.
+        regime: How it was trained: ``"non-private"`` or ``"DP-SGD sigma=..., C=..., expected batch ..."``.
     """
 
     c_max: float
@@ -241,6 +257,7 @@ class CalibratedBounds:
     windows: int
     steps: int
     seed: int
+    regime: str = "non-private"
 
     def init_args(self) -> dict[str, float]:
         """The network's arguments these bounds set (``TimeSeriesDiT``'s names)."""
@@ -253,7 +270,8 @@ class CalibratedBounds:
         header = [
             "# DP-aware AdaLN-Zero bounds set from the validation months only (issue 24, item 3; frozen):",
             f"# the {100 * self.quantile:g}th percentiles of ||c~|| and of |raw gamma|, |raw beta|, |raw alpha| of a",
-            f"# non-private model of the same architecture (bounds off), trained {self.steps} steps (seed {self.seed})",
+            f"# {self.regime} model of the same architecture (bounds off),",
+            f"# trained {self.steps} steps (seed {self.seed})",
             f"# on {self.windows} validation windows. Overlay: dplightning fit --config ARM.yaml --config THIS.yaml",
         ]
         if source:
@@ -293,6 +311,8 @@ def calibrate_bounds(
     quantile: float = QUANTILE,
     seed: int = 0,
     accelerator: str = "cpu",
+    noise_multiplier: float | None = None,
+    max_grad_norm: float = 1.0,
 ) -> CalibratedBounds:
     """Train the unbounded twin of ``template`` on held-out ``windows`` and set the bounds at ``quantile``.
 
@@ -305,14 +325,21 @@ def calibrate_bounds(
         quantile: The percentile of the bounds.
         seed: Seeds the initialisation, the training and the statistics' draws.
         accelerator: Where it trains.
+        noise_multiplier: Train it with DP-SGD at this σ (``None``: without DP), so that the bounds meet the
+            values of a model trained like the private one; see :func:`fit_on_windows`.
+        max_grad_norm: Its clipping bound under DP.
 
     Returns:
         The frozen bounds, with the template's bound mode.
     """
-    model = fit_on_windows(unbounded_twin(template, seed), windows, steps, batch_size, seed, accelerator)
+    twin = unbounded_twin(template, seed)
+    model = fit_on_windows(twin, windows, steps, batch_size, seed, accelerator, noise_multiplier, max_grad_norm)
     values = conditioning_values(model, windows, seed=seed)
     c_max, bounds = percentile_bounds(values, quantile, bound_mode_of(template.model))
-    return CalibratedBounds(c_max, bounds, quantile, len(values.c_norms), steps, seed)
+    regime = "non-private"
+    if noise_multiplier is not None:
+        regime = f"DP-SGD (sigma={noise_multiplier:g}, C={max_grad_norm:g}, expected batch {batch_size})"
+    return CalibratedBounds(c_max, bounds, quantile, len(values.c_norms), steps, seed, regime)
 
 
 def validation_windows(datamodule: pl.LightningDataModule) -> Dataset:
@@ -401,14 +428,18 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise TypeError("The config must give a DPTimeSeriesDiffusion model and a data module (ETTDataModule).")
     windows = validation_windows(cli.datamodule)
     result = calibrate_bounds(
-        cli.model, windows, args.steps, args.batch_size, args.quantile, args.seed, args.accelerator
-    )
+        cli.model, windows, args.steps, args.batch_size, args.quantile, args.seed, args.accelerator,
+        args.noise_multiplier, args.max_grad_norm,
+    )  # fmt: skip
     configs = " ".join(f"--config {config}" for config in args.config)
     overrides = f" -- {' '.join(args.overrides)}" if args.overrides else ""
     command = (
         f"python -m dplightning.methods.adaln_bounds calibrate {configs} --steps {args.steps} "
-        f"--batch-size {args.batch_size} --quantile {args.quantile} --seed {args.seed}{overrides}"
+        f"--batch-size {args.batch_size} --quantile {args.quantile} --seed {args.seed}"
     )
+    if args.noise_multiplier is not None:
+        command += f" --noise-multiplier {args.noise_multiplier:g} --max-grad-norm {args.max_grad_norm:g}"
+    command += overrides
     text = result.to_yaml(command)
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")
@@ -437,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--quantile", type=float, default=QUANTILE, help="The percentile (%(default)s).")
     cal.add_argument("--seed", type=int, default=0, help="Initialisation, training and statistics (%(default)s).")
     cal.add_argument("--accelerator", default="cpu", help="Where the model trains (%(default)s).")
+    cal.add_argument(
+        "--noise-multiplier", type=float, default=None,
+        help="Train the calibration model with DP-SGD at this sigma, like the private run (default: no DP).",
+    )  # fmt: skip
+    cal.add_argument("--max-grad-norm", type=float, default=1.0, help="Its clipping bound C (%(default)s).")
     cal.add_argument("--out", help="Write the YAML overlay here (it is printed either way).")
     cal.add_argument(
         "overrides", nargs="*", help="LightningCLI arguments after `--`, e.g. --model.init_args.center ..."

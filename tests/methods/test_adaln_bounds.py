@@ -20,6 +20,7 @@ from dplightning.methods.adaln_bounds import (
     ConditioningValues,
     calibrate_bounds,
     conditioning_values,
+    fit_on_windows,
     main,
     percentile_bounds,
     recording,
@@ -77,6 +78,25 @@ def test_the_bounds_come_from_the_validation_windows_without_reading_the_trainin
     assert arm.model.c_max == 4.0
     again = calibrate_bounds(template(**BOUNDED), windows, steps=10, batch_size=8, seed=0)
     assert again == result  # seeded end to end
+
+
+def test_a_dp_regime_calibration_trains_the_twin_with_dp_sgd_on_the_validation_windows_only(tmp_path: Path) -> None:
+    from dplightning import DPStrategy
+
+    write_csv(tmp_path / "ETTh1.csv")
+    windows = validation_windows(NoTrainETT(str(tmp_path / "ETTh1.csv"), input_len=8, horizon=4, rows_per_month=MONTH))
+    twin = unbounded_twin(template(**BOUNDED))
+    model = fit_on_windows(twin, windows, steps=4, batch_size=8, seed=0, noise_multiplier=1.0, max_grad_norm=0.5)
+    strategy = model.trainer.strategy
+    assert isinstance(strategy, DPStrategy) and model.trainer.global_step == 4
+    assert strategy.dp_state.noise_multiplier == 1.0 and strategy.dp_state.max_grad_norm == 0.5
+    plain = calibrate_bounds(template(**BOUNDED), windows, steps=4, batch_size=8, seed=0)
+    private = calibrate_bounds(template(**BOUNDED), windows, steps=4, batch_size=8, seed=0, noise_multiplier=1.0)
+    assert plain.regime == "non-private" and private.regime == "DP-SGD (sigma=1, C=1, expected batch 8)"
+    assert private.c_max != plain.c_max  # the noisy model is another model
+    assert "# DP-SGD (sigma=1, C=1, expected batch 8) model" in private.to_yaml()
+    with pytest.raises(ValueError, match="noise_multiplier >= 0"):
+        fit_on_windows(twin, windows, steps=1, noise_multiplier=-1.0)
 
 
 def test_the_twin_has_no_bound_and_fresh_seeded_weights() -> None:
