@@ -373,6 +373,8 @@ def judge(records: Mapping[str, Mapping[str, Any]], baselines: Mapping[str, Mapp
         se = statistics.stdev(diffs) / math.sqrt(len(diffs))
         out["iv"] = {"passed": statistics.fmean(diffs) <= se, "mean_aware_minus_vanilla": statistics.fmean(diffs),
                      "se": se}  # fmt: skip
+        if vac.get("nonprivate/aware", {}).get("vacuous"):
+            out["iv"] |= {"passed": False, "vacuous": True, "note": "vacuous arm: not reported as a result"}
     return out
 
 

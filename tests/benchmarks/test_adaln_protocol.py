@@ -42,8 +42,8 @@ def test_criteria_pass_and_fail_where_the_written_rules_say(ap: ModuleType) -> N
     vanilla = [{"crps": 0.20 + 0.001 * s, "premise_hill_cond": 2.0, "premise_hill_rest": 3.0,
                 "premise_share_faulted": 0.3, "premise_share_clean": 0.1} for s in range(5)]  # fmt: skip
     aware = [{"crps": 0.19 + 0.001 * s + (0.0005 if s == 2 else 0), **_binding(0.05)} for s in range(5)]
-    nonprivate = _record({"vanilla": [{"crps": 0.1}] * 4 + [{"crps": 0.11}],
-                          "aware": [{"crps": 0.1}] * 3 + [{"crps": 0.102}, {"crps": 0.1}]})  # fmt: skip
+    aware_np = [{"crps": c, **_binding(0.05)} for c in (0.1, 0.1, 0.1, 0.102, 0.1)]
+    nonprivate = _record({"vanilla": [{"crps": 0.1}] * 4 + [{"crps": 0.11}], "aware": aware_np})
     claims = ap.judge({"main": _record({ap.VANILLA: vanilla, ap.AWARE: aware}), "nonprivate": nonprivate}, BASELINES)
     assert claims["vacuity"]["main/DP-aware"]["vacuous"] is False
     assert claims["i"]["passed"] and claims["i"]["tail_lower_in"] == 5 and claims["i"]["share_higher_in"] == 5
@@ -70,6 +70,10 @@ def test_a_vacuous_arm_is_not_reported_as_a_result_even_when_it_wins(ap: ModuleT
         iii = claims["iii"]["main/DP-aware"]
         assert iii["wins"] == 5 and not iii["passed"] and iii["vacuous"]
         assert not claims["i"]["passed"]  # the tails of the conditioning path are the lighter ones here
+        nonprivate = _record({"vanilla": [{"crps": 0.2}, {"crps": 0.21}] * 2 + [{"crps": 0.2}], "aware": aware})
+        iv = ap.judge({"main": _record({ap.VANILLA: vanilla, ap.AWARE: aware}), "nonprivate": nonprivate},
+                      BASELINES)["iv"]  # fmt: skip
+        assert iv["mean_aware_minus_vanilla"] < 0 and not iv["passed"] and iv["vacuous"]
 
 
 @pytest.mark.e2e
