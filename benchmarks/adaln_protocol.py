@@ -76,6 +76,9 @@ CALIBRATIONS = {  # name -> how the calibration model trains on the validation m
     "heldout": "non-private (pre-registered first)",
     "matched": "DP-SGD at the condition's sigma, C and expected batch (pre-registered second, after 'heldout' was "
     "vacuous under DP); non-private conditions use the heldout bounds",
+    "matched_lr": "trained like the arm: DP-SGD at the condition's sigma (none without DP), C, expected batch AND the "
+    "arm's learning rate, one calibration per grid point (pre-registered third, after 'matched', calibrated at lr "
+    "1e-3, bound on 30-54 % under the selected lr 3e-3)",
 }
 NET: dict[str, Any] = {"hidden": 64, "depth": 2, "heads": 4, "mlp_ratio": 2.0, "patch_size": 8,
                        "context_path": "tokens_and_c", "context_encoder": "mean"}  # fmt: skip
@@ -179,18 +182,24 @@ def build_module(arm: str, bounds: Mapping[str, float], lr: float, samples: int)
     )  # fmt: skip
 
 
-def bounds_file(folder: Path, calibration: str, sigma: float | None) -> Path:
-    """Where the frozen bounds of a calibration and noise level live."""
+def bounds_file(folder: Path, calibration: str, sigma: float | None, lr: float = LRS[0]) -> Path:
+    """Where the frozen bounds of a calibration, noise level (and, for ``matched_lr``, learning rate) live."""
+    if calibration == "matched_lr":
+        regime = "" if sigma is None else f"_dp_sigma{sigma:g}"
+        return folder / f"bounds_etth1_imputation{regime}_lr{lr:g}.yaml"
     if calibration == "heldout" or sigma is None:
         return folder / "bounds_etth1_imputation.yaml"
     return folder / f"bounds_etth1_imputation_dp_sigma{sigma:g}.yaml"
 
 
-def frozen_bounds(data: str, budget: Budget, path: Path, sigma: float | None = None) -> dict[str, float]:
-    """The bounds in ``path``; if absent, calibrated on the validation months (DP-SGD at ``sigma`` if given) first."""
+def frozen_bounds(
+    data: str, budget: Budget, path: Path, sigma: float | None = None, lr: float = LRS[0]
+) -> dict[str, float]:
+    """The bounds in ``path``; if absent, calibrated on the validation months first (DP-SGD at ``sigma`` if
+    given; Adam at ``lr``: the first two calibrations used the grid's first point for every arm)."""
     if path.exists():
         return dict(yaml.safe_load(path.read_text())["model"]["init_args"]["model"]["init_args"])
-    template = build_module(AWARE, {"c_max": 1.0, "gamma_max": 1.0, "beta_max": 1.0, "alpha_max": 1.0}, LRS[0], 1)
+    template = build_module(AWARE, {"c_max": 1.0, "gamma_max": 1.0, "beta_max": 1.0, "alpha_max": 1.0}, lr, 1)
     dm = data_module(data, budget, 0.0, "test")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -250,11 +259,15 @@ def premise(
 # ------------------------------------------------------------------ one run
 
 
-def run_arm(data: str, budget: Budget, bounds: Mapping[str, float], condition: Condition, arm: str,
+def run_arm(data: str, budget: Budget, bounds: Mapping[float, Mapping[str, float]], condition: Condition, arm: str,
             hparams: Mapping[str, Any], seed: int, split: str) -> dict[str, float]:  # fmt: skip
-    """Train one arm; CRPS (de-normalised) on ``split``'s clean windows, and on faulted test windows."""
+    """Train one arm; CRPS (de-normalised) on ``split``'s clean windows, and on faulted test windows.
+
+    ``bounds`` maps the learning rate to the frozen bounds an aware arm trained at it uses.
+    """
     pl.seed_everything(seed, verbose=False)
-    module = build_module(arm, bounds, float(hparams["lr"]), budget.samples)
+    lr = float(hparams["lr"])
+    module = build_module(arm, bounds[lr] if ARMS[arm]["bounds"] else {}, lr, budget.samples)
     dm = data_module(data, budget, condition.fault_rate, split)
     private = condition.sigma is not None
     with warnings.catch_warnings():
@@ -295,9 +308,13 @@ def run_arm(data: str, budget: Budget, bounds: Mapping[str, float], condition: C
 # ------------------------------------------------------------------ experiments and claims
 
 
-def experiment(name: str, data: str, budget: Budget, bounds: Mapping[str, float], selected: Mapping[str, float],
-               calibration: str = "heldout") -> Experiment:  # fmt: skip
-    """The protocol experiment of one condition; untuned conditions take ``selected`` (arm -> lr)."""
+def experiment(name: str, data: str, budget: Budget, bounds: Mapping[float, Mapping[str, float]],
+               selected: Mapping[str, float], calibration: str = "heldout") -> Experiment:  # fmt: skip
+    """The protocol experiment of one condition; untuned conditions take ``selected`` (arm -> lr).
+
+    ``bounds``: learning rate -> the frozen bounds of the aware arms at it (the same for every lr, except
+    under the ``matched_lr`` calibration).
+    """
     condition = CONDITIONS[name]
     arms = []
     for arm in condition.arms:
@@ -317,13 +334,22 @@ def experiment(name: str, data: str, budget: Budget, bounds: Mapping[str, float]
                            for arm in condition.arms},
                   "budget": dataclasses.asdict(budget), "net": NET,
                   "module": MODULE, "faults": {k: list(v) if isinstance(v, tuple) else v for k, v in FAULTS.items()},
-                  "bounds": dict(bounds), "max_grad_norm": MAX_GRAD_NORM, "missing_ratio": MISSING,
+                  "bounds": _bounds_setting(bounds, calibration), "max_grad_norm": MAX_GRAD_NORM,
+                  "missing_ratio": MISSING,
                   "privacy_unit": "one window of 96 consecutive hourly rows (7 channels); windows overlap, so one "
                   "row lies in up to 96 windows and its privacy is NOT what epsilon states",
                   "claims": CLAIMS,
                   # the first calibration's records predate this key: it is set only for the second
                   **({"calibration": CALIBRATIONS[calibration]} if calibration != "heldout" else {})},
     )  # fmt: skip
+
+
+def _bounds_setting(bounds: Mapping[float, Mapping[str, float]], calibration: str) -> dict[str, Any]:
+    """The bounds as the record states them: one set (the first two calibrations' records), or one per lr."""
+    if calibration != "matched_lr":
+        (one,) = {json.dumps(dict(b), sort_keys=True) for b in bounds.values()}
+        return json.loads(one)
+    return {f"lr={lr:g}": dict(b) for lr, b in sorted(bounds.items())}
 
 
 def final_values(record: Mapping[str, Any], arm: str, metric: str) -> list[float]:
@@ -423,15 +449,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prefix = first if args.calibration == "heldout" else f"{first}_{args.calibration}"
     figures = args.figures or default_figures()
     folder = args.bounds_dir or (Path(first).parent if args.smoke else BOUNDS_DIR)
-    calibrated: dict[float | None, dict[str, float]] = {}
+    calibrated: dict[tuple[float | None, float], dict[str, float]] = {}
 
-    def bounds_of(sigma: float | None) -> dict[str, float]:
-        if sigma not in calibrated:
-            path = bounds_file(folder, args.calibration, sigma)
-            calibrated[sigma] = frozen_bounds(args.data, budget, path, sigma if args.calibration == "matched" else None)
-        return calibrated[sigma]
+    def bounds_of(sigma: float | None, lrs: Sequence[float]) -> dict[float, dict[str, float]]:
+        """lr -> bounds: one calibration per lr under matched_lr, else one for all (at the grid's first lr)."""
+        out = {}
+        for lr in lrs:
+            at = lr if args.calibration == "matched_lr" else LRS[0]
+            if (sigma, at) not in calibrated:
+                path = bounds_file(folder, args.calibration, sigma, at)
+                dp = sigma if args.calibration in ("matched", "matched_lr") else None
+                calibrated[sigma, at] = frozen_bounds(args.data, budget, path, dp, at)
+            out[lr] = calibrated[sigma, at]
+        return out
 
-    bounds_of(CONDITIONS["main"].sigma)
     base = baselines(args.data, budget)
     records: dict[str, dict[str, Any]] = {}
     selected: dict[str, float] = {}
@@ -440,9 +471,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             main_record = json.loads(Path(f"{prefix}_main.json").read_text())
             selected = {a: s["hparams"]["lr"] for a, s in main_record["selection"].items()}
         sigma = CONDITIONS[name].sigma
-        # Without DP both calibrations are the same non-private one: the second reuses the first's record.
-        at, calibration = (first, "heldout") if sigma is None else (prefix, args.calibration)
-        exp = experiment(name, args.data, budget, bounds_of(sigma), selected, calibration)
+        # Without DP the first two calibrations are the same non-private one: the second reuses the first's record.
+        at, calibration = (
+            (first, "heldout") if sigma is None and args.calibration == "matched" else (prefix, args.calibration)
+        )
+        lrs = LRS if CONDITIONS[name].tuned or name == "ablation" else [selected[AWARE]]  # ablation: main's bounds
+        exp = experiment(name, args.data, budget, bounds_of(sigma, lrs), selected, calibration)
         borrow = {VANILLA: Path(f"{at}_main.json")} if name == "ablation" else None
         exp = dataclasses.replace(exp, name=f"{Path(at).name}_{name}")
         records[name] = run_experiment(exp, out=Path(f"{at}_{name}.json"), figures=figures, threads=1,
@@ -450,7 +484,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if name == "main":
             selected = {a: s["hparams"]["lr"] for a, s in records[name]["selection"].items()}
         claims = {"calibration": CALIBRATIONS[args.calibration], "baselines": base,
-                  "bounds": {f"sigma={s}": b for s, b in calibrated.items()}, **judge(records, base)}  # fmt: skip
+                  "bounds": {f"sigma={s},lr={lr:g}": b for (s, lr), b in calibrated.items()},
+                  **judge(records, base)}  # fmt: skip
         write_json(Path(f"{prefix}_claims.json"), claims)
     print(json.dumps({k: v for k, v in claims.items() if k not in ("claims",)}, indent=1, default=str))
     return claims

@@ -79,7 +79,7 @@ def test_a_vacuous_arm_is_not_reported_as_a_result_even_when_it_wins(ap: ModuleT
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not ETTH1.exists(), reason="ETTh1.csv not found in ../shared/data/ett/")
-def test_smoke_runs_both_calibrations_through_the_protocol(ap: ModuleType, tmp_path: Path) -> None:
+def test_smoke_runs_the_first_and_the_lr_matched_calibration(ap: ModuleType, tmp_path: Path) -> None:
     prefix = str(tmp_path / "adaln")
     common = ["--smoke", "--data", str(ETTH1), "--out", prefix, "--figures", str(tmp_path / "fig")]
     claims = ap.main([*common, "--only", "main"])
@@ -92,9 +92,10 @@ def test_smoke_runs_both_calibrations_through_the_protocol(ap: ModuleType, tmp_p
     heldout = yaml.safe_load(Path(tmp_path / "bounds_etth1_imputation.yaml").read_text())
     assert heldout["model"]["init_args"]["model"]["init_args"]["c_max"] > 0
 
-    ap.main([*common, "--calibration", "matched", "--only", "main"])
-    matched = Path(tmp_path / "bounds_etth1_imputation_dp_sigma0.5.yaml").read_text()
-    assert "# DP-SGD (sigma=0.5, C=1, expected batch 16) model" in matched
-    record = json.loads(Path(f"{prefix}_matched_main.json").read_text())
-    settings = record["identity"]["settings"]
-    assert settings["calibration"].startswith("DP-SGD") and settings["bounds"] != claims["bounds"]["sigma=0.5"]
+    claims = ap.main([*common, "--calibration", "matched_lr", "--only", "main"])
+    for lr in ap.LRS:  # one calibration per grid point, each with the arm's lr
+        assert f"sigma=0.5,lr={lr:g}" in claims["bounds"]
+        text = Path(tmp_path / f"bounds_etth1_imputation_dp_sigma0.5_lr{lr:g}.yaml").read_text()
+        assert "# DP-SGD (sigma=0.5, C=1, expected batch 16) model" in text
+    record = json.loads(Path(f"{prefix}_matched_lr_main.json").read_text())
+    assert set(record["identity"]["settings"]["bounds"]) == {f"lr={lr:g}" for lr in ap.LRS}
