@@ -30,6 +30,7 @@ import argparse
 import copy
 import csv
 import json
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -139,7 +140,11 @@ def fit_on_windows(
     if noise_multiplier is not None:
         from dplightning.strategies.single_device import DPStrategy  # the strategies import the tasks' package
 
-        strategy = DPStrategy(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm)
+        with warnings.catch_warnings():
+            # Seeded noise on purpose: this DP protects nothing (held-out data), it only mimics the private run's
+            # regime, and the frozen bounds must be reproducible from the seed.
+            warnings.filterwarnings("ignore", message=".*seed= is FOR TESTS ONLY.*")
+            strategy = DPStrategy(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, seed=seed)
     pl.seed_everything(seed, verbose=False)  # t, ε and the training masks of the fit
     loader = DataLoader(
         windows, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed), drop_last=False

@@ -94,6 +94,8 @@ def test_a_dp_regime_calibration_trains_the_twin_with_dp_sgd_on_the_validation_w
     private = calibrate_bounds(template(**BOUNDED), windows, steps=4, batch_size=8, seed=0, noise_multiplier=1.0)
     assert plain.regime == "non-private" and private.regime == "DP-SGD (sigma=1, C=1, expected batch 8)"
     assert private.c_max != plain.c_max  # the noisy model is another model
+    again = calibrate_bounds(template(**BOUNDED), windows, steps=4, batch_size=8, seed=0, noise_multiplier=1.0)
+    assert again == private  # the noise is seeded: frozen bounds can be reproduced
     assert "# DP-SGD (sigma=1, C=1, expected batch 8) model" in private.to_yaml()
     with pytest.raises(ValueError, match="noise_multiplier >= 0"):
         fit_on_windows(twin, windows, steps=1, noise_multiplier=-1.0)
