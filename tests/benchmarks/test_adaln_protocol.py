@@ -99,3 +99,28 @@ def test_smoke_runs_the_first_and_the_lr_matched_calibration(ap: ModuleType, tmp
         assert "# DP-SGD (sigma=0.5, C=1, expected batch 16) model" in text
     record = json.loads(Path(f"{prefix}_matched_lr_main.json").read_text())
     assert set(record["identity"]["settings"]["bounds"]) == {f"lr={lr:g}" for lr in ap.LRS}
+
+
+@pytest.mark.parametrize("arm", ["vanilla", "aware"])
+def test_the_frozen_configs_are_the_protocols_main_experiment(ap: ModuleType, arm: str) -> None:
+    from dplightning.cli import build_cli
+
+    config = ROOT / "configs" / "timeseries" / f"etth1_imputation_faults3_dp_{arm}_sigma0.5.yaml"
+    cli = build_cli(["--config", str(config), "--trainer.logger", "false"], run=False)
+    module, net, data, budget = cli.model, cli.model.model, cli.datamodule.hparams, ap.Budget()
+    main = ap.CONDITIONS["main"]
+    strategy = cli.trainer.strategy
+    assert (strategy.dp_state.noise_multiplier, strategy.dp_state.max_grad_norm) == (main.sigma, ap.MAX_GRAD_NORM)
+    assert cli.trainer.max_steps == budget.steps and data.batch_size == budget.batch
+    assert (data.fault_rate, data.max_test_windows, module.n_samples) == (main.fault_rate, budget.test_windows, 16)
+    assert {k: tuple(data[k]) if isinstance(data[k], list) else data[k] for k in ap.FAULTS} == ap.FAULTS
+    assert all(getattr(module, k) == v for k, v in ap.MODULE.items()) and module.eval_missing_ratio == ap.MISSING
+    shape = (net.x_embedder.out_features, len(net.blocks), net.patch_size, net.context_path)
+    assert shape == (ap.NET["hidden"], ap.NET["depth"], ap.NET["patch_size"], ap.NET["context_path"])
+    record = json.loads((ROOT / "benchmarks" / "results" / "adaln_etth1_matched_lr_main.json").read_text())
+    lr = record["selection"][ap.AWARE if arm == "aware" else ap.VANILLA]["hparams"]["lr"]
+    assert module.optimizer(list(net.parameters())).defaults["lr"] == lr
+    frozen = ap.frozen_bounds(ap.DATA, budget, ap.bounds_file(ap.BOUNDS_DIR, "matched_lr", main.sigma, lr))
+    kinds = ("gamma", "beta", "alpha")
+    have = {"c_max": net.c_max, **{f"{k}_max": getattr(net.blocks[0].bounds, f"{k}_max") for k in kinds}}
+    assert have == (frozen if arm == "aware" else dict.fromkeys(frozen))
