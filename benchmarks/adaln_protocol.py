@@ -430,6 +430,50 @@ def baselines(data: str, budget: Budget) -> dict[str, dict[str, float]]:
     return {name: score_points([fn(x, c) for x, c in batches], batches, dm) for name, fn in predictors.items()}
 
 
+SUMMARY_METRICS = ("crps", "crps_faulted", "mse")
+BIND_KINDS = ("projection", "gamma", "beta", "alpha")
+
+
+def summary(first: str) -> str:
+    """One markdown table over every complete record of every calibration under the prefix ``first``.
+
+    Per experiment and arm: the selected lr, mean ± sd of the metrics over the final seeds, the run-pooled
+    bind fractions (mean over the final runs) and the vacuity verdict; per pair, the paired difference of
+    CRPS (arm - reference; > 0: the arm is worse) with its 90 % interval.
+    """
+    head = "calibration | experiment | arm | lr | ε | CRPS | CRPS faulted | MSE | binds: proj / γ / β / α | vacuous"
+    lines = [f"| {head} | CRPS arm − reference [90 % CI] |", "|" + "---|" * 11]
+    for calibration in CALIBRATIONS:
+        prefix = first if calibration == "heldout" else f"{first}_{calibration}"
+        for name, condition in CONDITIONS.items():
+            path = Path(f"{prefix}_{name}.json")
+            if not path.exists() or (record := json.loads(path.read_text())).get("status") != "complete":
+                continue
+            reference = condition.arms[0]
+            for arm in condition.arms:
+                metrics = record["arms"][arm]["metrics"]
+                shown = [f"{metrics[m]['mean']:.4f} ± {metrics[m]['sd']:.4f}" for m in SUMMARY_METRICS]
+                eps = (
+                    f"{metrics['epsilon']['mean']:.2f}"
+                    if "epsilon" in metrics
+                    else ("∞" if condition.sigma == 0 else "—")
+                )
+                binds = [final_values(record, arm, f"bind_{k}") for k in BIND_KINDS]
+                bind = " / ".join(f"{100 * statistics.fmean(v):.2f} %" for v in binds) if all(binds) else "—"
+                verdict = "—"
+                if all(binds):
+                    verdict = "yes" if vacuity(dict(zip(BIND_KINDS, map(statistics.fmean, binds)))).vacuous else "no"
+                pair = "—"
+                if arm != reference:
+                    ref, new = final_values(record, reference, "crps"), final_values(record, arm, "crps")
+                    ci = paired_interval([n - r for r, n in zip(ref, new)])
+                    pair = f"{ci['mean']:+.4f} [{ci['low']:+.4f}, {ci['high']:+.4f}]"
+                lr = record["selection"][arm]["hparams"]["lr"]
+                lines.append(f"| {calibration} | {name} | {arm} | {lr:g} | {eps} | {' | '.join(shown)} | {bind} | "
+                             f"{verdict} | {pair} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DATA)
@@ -440,6 +484,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--bounds-dir", type=Path, default=None, help="frozen bounds (default: configs/timeseries/)")
     parser.add_argument("--calibration", default="heldout", choices=list(CALIBRATIONS), help="how the bounds are set")
     parser.add_argument("--workers", type=int, default=1, help="runs at once, one thread each (forked processes)")
+    parser.add_argument("--summary", action="store_true", help="only tabulate the complete records (NAME_summary.md)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
@@ -448,6 +493,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     first = (args.out or str(default_result(f"adaln_etth1{'_smoke' if args.smoke else ''}"))).removesuffix(".json")
     prefix = first if args.calibration == "heldout" else f"{first}_{args.calibration}"
     figures = args.figures or default_figures()
+    if args.summary:
+        table = summary(first)
+        Path(first).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{first}_summary.md").write_text(table)
+        print(table)
+        return {"summary": table}
     folder = args.bounds_dir or (Path(first).parent if args.smoke else BOUNDS_DIR)
     calibrated: dict[tuple[float | None, float], dict[str, float]] = {}
 
