@@ -383,19 +383,11 @@ def judge(records: Mapping[str, Mapping[str, Any]], baselines: Mapping[str, Mapp
                 vac[f"{name}/{arm}"] = {"vacuous": verdict.vacuous, "reasons": list(verdict.reasons),
                                         "fractions": fractions}  # fmt: skip
     out["vacuity"] = vac
-    hc, hr = final_values(main, VANILLA, "premise_hill_cond"), final_values(main, VANILLA, "premise_hill_rest")
-    sf, sc = final_values(main, VANILLA, "premise_share_faulted"), final_values(main, VANILLA, "premise_share_clean")
-    tail = sum(a < b for a, b in zip(hc, hr))
-    share = sum(a > b for a, b in zip(sf, sc))
-    out["i"] = {"passed": tail >= 4 and share >= 4, "tail_lower_in": tail, "share_higher_in": share,
-                "hill_cond": hc, "hill_rest": hr, "share_faulted": sf, "share_clean": sc}  # fmt: skip
-    ii: dict[str, Any] = {}
-    for arm in (VANILLA, AWARE):
-        values = final_values(main, arm, "crps")
-        upper = statistics.fmean(values) + _t90(len(values)) * statistics.stdev(values) / math.sqrt(len(values))
-        ii[arm] = {"mean": statistics.fmean(values), "upper90": upper,
-                   "beats": {b: upper < baselines[b]["crps"] for b in ("train_mean", "locf")}}  # fmt: skip
-    out["ii"] = {"passed": all(all(v["beats"].values()) for v in ii.values()), **ii}
+    private = {name: record for name, record in records.items() if CONDITIONS[name].sigma is not None}
+    # The pre-registered (i) and (ii) are main's; the other DP experiments are reported by the same rules.
+    out["i_by_experiment"] = {name: _premise(record) for name, record in private.items()}
+    out["ii_by_experiment"] = {name: _beats_baselines(record, baselines) for name, record in private.items()}
+    out["i"], out["ii"] = out["i_by_experiment"]["main"], out["ii_by_experiment"]["main"]
     out["iii"] = {f"{name}/{arm}": _paired_rule(record, CONDITIONS[name].arms[0], arm, vac.get(f"{name}/{arm}"))
                   for name, record in records.items() if name != "nonprivate"
                   for arm in CONDITIONS[name].arms[1:]}  # fmt: skip
@@ -408,6 +400,28 @@ def judge(records: Mapping[str, Mapping[str, Any]], baselines: Mapping[str, Mapp
         if vac.get("nonprivate/aware", {}).get("vacuous"):
             out["iv"] |= {"passed": False, "vacuous": True, "note": "vacuous arm: not reported as a result"}
     return out
+
+
+def _premise(record: Mapping[str, Any]) -> dict[str, Any]:
+    """Criterion (i) on one experiment's DP-vanilla final runs."""
+    hc, hr = final_values(record, VANILLA, "premise_hill_cond"), final_values(record, VANILLA, "premise_hill_rest")
+    sf = final_values(record, VANILLA, "premise_share_faulted")
+    sc = final_values(record, VANILLA, "premise_share_clean")
+    tail, share = sum(a < b for a, b in zip(hc, hr)), sum(a > b for a, b in zip(sf, sc))
+    return {"passed": tail >= 4 and share >= 4, "tail_lower_in": tail, "share_higher_in": share,
+            "hill_cond": hc, "hill_rest": hr, "share_faulted": sf, "share_clean": sc}  # fmt: skip
+
+
+def _beats_baselines(record: Mapping[str, Any], baselines: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    """Criterion (ii) on one experiment's DP-vanilla and DP-aware final runs."""
+    ii: dict[str, Any] = {}
+    for arm in (VANILLA, AWARE):
+        if not (values := final_values(record, arm, "crps")):
+            continue
+        upper = statistics.fmean(values) + _t90(len(values)) * statistics.stdev(values) / math.sqrt(len(values))
+        ii[arm] = {"mean": statistics.fmean(values), "upper90": upper,
+                   "beats": {b: upper < baselines[b]["crps"] for b in ("train_mean", "locf")}}  # fmt: skip
+    return {"passed": bool(ii) and all(all(v["beats"].values()) for v in ii.values()), **ii}
 
 
 def _paired_rule(record: Mapping[str, Any], reference: str, arm: str, vac: Mapping[str, Any] | None) -> dict[str, Any]:

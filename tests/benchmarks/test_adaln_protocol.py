@@ -47,7 +47,7 @@ def test_criteria_pass_and_fail_where_the_written_rules_say(ap: ModuleType) -> N
     claims = ap.judge({"main": _record({ap.VANILLA: vanilla, ap.AWARE: aware}), "nonprivate": nonprivate}, BASELINES)
     assert claims["vacuity"]["main/DP-aware"]["vacuous"] is False
     assert claims["i"]["passed"] and claims["i"]["tail_lower_in"] == 5 and claims["i"]["share_higher_in"] == 5
-    assert claims["ii"]["passed"]
+    assert claims["ii"]["passed"] and set(claims["i_by_experiment"]) == {"main"}  # no premise without DP
     iii = claims["iii"]["main/DP-aware"]
     assert iii["passed"] and iii["wins"] == 5 and iii["mean_improvement"] == pytest.approx(0.0099)
     diffs = [0.0, 0.0, 0.0, 0.002, -0.01]  # aware - vanilla, non-private
@@ -99,6 +99,14 @@ def test_smoke_runs_the_first_and_the_lr_matched_calibration(ap: ModuleType, tmp
         assert "# DP-SGD (sigma=0.5, C=1, expected batch 16) model" in text
     record = json.loads(Path(f"{prefix}_matched_lr_main.json").read_text())
     assert set(record["identity"]["settings"]["bounds"]) == {f"lr={lr:g}" for lr in ap.LRS}
+
+    table = ap.main([*common, "--summary"])["summary"]
+    assert table == Path(f"{prefix}_summary.md").read_text()
+    rows = [line for line in table.splitlines()[2:] if line.startswith("| ")]
+    assert [row.split(" | ")[:3] for row in rows] == [
+        ["| heldout", "main", "DP-vanilla"], ["| heldout", "main", "DP-aware"],
+        ["| matched_lr", "main", "DP-vanilla"], ["| matched_lr", "main", "DP-aware"],
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("arm", ["vanilla", "aware"])
