@@ -118,7 +118,11 @@ CONDITIONS: dict[str, Condition] = {  # run in this order: the most important fi
     "ablation": Condition(0.5, 0.03, (VANILLA, "DP-aware hard", "DP-aware c-only", "DP-aware modulation-only")),
     "p1": Condition(0.5, 0.01, (VANILLA, AWARE)),
     "sigma0": Condition(0.0, 0.03, (VANILLA, AWARE)),
+    # Added before its runs: under the lr-matched calibration DP-aware is vacuous at sigma = 0.5 (so would its
+    # ablations be) and not at sigma = 0.1; DP-vanilla borrowed from sigma0.1.
+    "ablation0.1": Condition(0.1, 0.03, (VANILLA, "DP-aware hard", "DP-aware c-only", "DP-aware modulation-only")),
 }
+BORROWS = {"ablation": "main", "ablation0.1": "sigma0.1"}  # experiment -> where its DP-vanilla runs come from
 
 CLAIMS = {
     "vacuity": "an aware arm whose bounds bind, averaged over its 5 final runs (run-pooled shares), on < 1 % or "
@@ -548,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
         lrs = LRS if CONDITIONS[name].tuned or name == "ablation" else [selected[AWARE]]  # ablation: main's bounds
         exp = experiment(name, args.data, budget, bounds_of(sigma, lrs), selected, calibration)
-        borrow = {VANILLA: Path(f"{at}_main.json")} if name == "ablation" else None
+        borrow = {VANILLA: Path(f"{at}_{BORROWS[name]}.json")} if name in BORROWS else None
         exp = dataclasses.replace(exp, name=f"{Path(at).name}_{name}")
         records[name] = run_experiment(exp, out=Path(f"{at}_{name}.json"), figures=figures, threads=1,
                                        workers=args.workers, borrow=borrow)  # fmt: skip
