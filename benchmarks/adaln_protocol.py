@@ -121,6 +121,7 @@ CONDITIONS: dict[str, Condition] = {  # run in this order: the most important fi
     # Added before its runs: under the lr-matched calibration DP-aware is vacuous at sigma = 0.5 (so would its
     # ablations be) and not at sigma = 0.1; DP-vanilla borrowed from sigma0.1.
     "ablation0.1": Condition(0.1, 0.03, (VANILLA, "DP-aware hard", "DP-aware c-only", "DP-aware modulation-only")),
+    "null0.1": Condition(0.1, 0.0, (VANILLA, AWARE)),  # the expected null where the bounds are not vacuous
 }
 BORROWS = {"ablation": "main", "ablation0.1": "sigma0.1"}  # experiment -> where its DP-vanilla runs come from
 
