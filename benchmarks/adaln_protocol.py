@@ -107,7 +107,7 @@ class Condition:
     sigma: float | None
     fault_rate: float
     arms: tuple[str, ...]
-    tuned: bool = False  # False: the arms reuse main's (or nonprivate's) selected lr
+    tuned: bool = False  # False: the arms reuse main's selected lr (stated in the records)
 
 
 CONDITIONS: dict[str, Condition] = {  # run in this order: the most important first
