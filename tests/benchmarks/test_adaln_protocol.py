@@ -77,7 +77,7 @@ def test_a_vacuous_arm_is_not_reported_as_a_result_even_when_it_wins(ap: ModuleT
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # two calibrations and 28 tiny runs: about 2 minutes on an idle 2-core CPU
 @pytest.mark.skipif(not ETTH1.exists(), reason="ETTh1.csv not found in ../shared/data/ett/")
 def test_smoke_runs_the_first_and_the_lr_matched_calibration(ap: ModuleType, tmp_path: Path) -> None:
     prefix = str(tmp_path / "adaln")
