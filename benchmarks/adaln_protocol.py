@@ -483,11 +483,15 @@ def summary(first: str) -> str:
                     if "epsilon" in metrics
                     else ("∞" if condition.sigma == 0 else "—")
                 )
-                binds = [final_values(record, arm, f"bind_{k}") for k in BIND_KINDS]
-                bind = " / ".join(f"{100 * statistics.fmean(v):.2f} %" for v in binds) if all(binds) else "—"
+                binds = {k: v for k in BIND_KINDS if (v := final_values(record, arm, f"bind_{k}"))}  # the arm's bounds
+                bind = " / ".join(
+                    f"{100 * statistics.fmean(binds[k]):.2f} %" if k in binds else "–" for k in BIND_KINDS
+                )
                 verdict = "—"
-                if all(binds):
-                    verdict = "yes" if vacuity(dict(zip(BIND_KINDS, map(statistics.fmean, binds)))).vacuous else "no"
+                if binds:
+                    verdict = "yes" if vacuity({k: statistics.fmean(v) for k, v in binds.items()}).vacuous else "no"
+                else:
+                    bind = "—"
                 pair = "—"
                 if arm != reference:
                     ref, new = final_values(record, reference, "crps"), final_values(record, arm, "crps")
