@@ -21,7 +21,11 @@ OPTIMIZER_OVERLAYS = {
     for c in sorted(CONFIG_DIR.glob("muon/*.yaml"))
     if (task := CONFIG_DIR / "finetune" / f"{c.stem.rsplit('_', 1)[0]}.yaml").exists()
 }
-CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - set(OVERLAYS) - set(MODEL_OVERLAYS) - set(OPTIMIZER_OVERLAYS))
+# configs/timeseries/bounds_*.yaml set DP-aware AdaLN-Zero's frozen bounds on an aware arm's config.
+BOUNDS_OVERLAYS = sorted(CONFIG_DIR.glob("timeseries/bounds_*.yaml"))
+AWARE_ARM = CONFIG_DIR / "timeseries" / "etth1_imputation_faults3_dp_aware_sigma0.5.yaml"
+NOT_WHOLE = {*OVERLAYS, *MODEL_OVERLAYS, *OPTIMIZER_OVERLAYS, *BOUNDS_OVERLAYS}
+CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - NOT_WHOLE)
 QUICKSTART = CONFIG_DIR / "quickstart.yaml"
 
 
@@ -48,6 +52,15 @@ def test_model_overlays_combine_with_their_task_config(overlay: Path, capsys: py
         build_cli(["fit", "--config", str(MODEL_OVERLAYS[overlay]), "--config", str(overlay), "--print_config"])
     assert exit_info.value.code == 0
     assert "lora:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overlay", BOUNDS_OVERLAYS, ids=[c.name for c in BOUNDS_OVERLAYS])
+def test_bounds_overlays_set_only_the_networks_bounds(overlay: Path) -> None:
+    bounds = yaml.safe_load(overlay.read_text())["model"]["init_args"]["model"]["init_args"]
+    assert set(bounds) == {"c_max", "gamma_max", "beta_max", "alpha_max"}
+    net = build_cli(["--config", str(AWARE_ARM), "--config", str(overlay)], run=False).model.model
+    block = net.blocks[0].bounds
+    assert (net.c_max, block.gamma_max, block.beta_max, block.alpha_max) == tuple(bounds.values())
 
 
 @pytest.mark.parametrize("overlay", list(OPTIMIZER_OVERLAYS), ids=[c.name for c in OPTIMIZER_OVERLAYS])
