@@ -166,6 +166,10 @@ SKIP: list[tuple[str, str]] = [
     (r"dplightning export --ckpt lightning_logs/", "needs the checkpoint of the fit above it"),
     (r"python -m dplightning\.(metrics|evaluation)\.synthetic ", "needs the synthetic set of the predict above it"),
     (r"MALLOC_\S+ MALLOC_\S+ dplightning fit --config \.\.\.", "a placeholder for any config"),
+    (
+        r"python -m dplightning\.methods\.adaln_bounds (calibrate|vacuity) ",
+        "a 600-step calibration, or the metrics.csv of a fit above it: tests/methods/test_adaln_bounds.py runs both",
+    ),
 ]
 
 
