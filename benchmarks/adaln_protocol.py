@@ -23,6 +23,8 @@ Experiments (paired seeds 0–4; lr tuned per arm on validation windows in ``mai
 * ``sigma0.1``, ``sigma0``: p = 3 % at σ = 0.1 (clipping-dominated) and σ = 0 (clipping only, ε = ∞).
 * ``ablation``: σ = 0.5, p = 3 %: hard bounds, c-only, modulation-only (DP-vanilla borrowed from ``main``).
 * ``p1``: σ = 0.5, p = 1 %.
+* ``ablation0.1``, ``null0.1``, ``p1_0.1``: the ablations, the null and p = 1 % at σ = 0.1 (added before their
+  runs: under the lr-matched calibration the bounds are vacuous at σ = 0.5 and act at σ = 0.1).
 
 The criteria (i)–(iv) and the vacuity rule are written in ``CLAIMS`` and in docs/dp_aware_adaln.md
 before the final runs. The premise diagnostics (per-example gradient norms of the conditioning path
@@ -122,6 +124,7 @@ CONDITIONS: dict[str, Condition] = {  # run in this order: the most important fi
     # ablations be) and not at sigma = 0.1; DP-vanilla borrowed from sigma0.1.
     "ablation0.1": Condition(0.1, 0.03, (VANILLA, "DP-aware hard", "DP-aware c-only", "DP-aware modulation-only")),
     "null0.1": Condition(0.1, 0.0, (VANILLA, AWARE)),  # the expected null where the bounds are not vacuous
+    "p1_0.1": Condition(0.1, 0.01, (VANILLA, AWARE)),  # item 4's p = 1 %, where the bounds are not vacuous
 }
 BORROWS = {"ablation": "main", "ablation0.1": "sigma0.1"}  # experiment -> where its DP-vanilla runs come from
 
