@@ -60,7 +60,6 @@ from _outputs import default_figures, default_result
 from _protocol import Arm, Criterion, Experiment, paired_interval, run_experiment
 from _protocol import _write_json as write_json
 from adaln_learning_check import imputation_predictors, score_points
-from scipy import stats
 
 from dplightning import DPStrategy
 from dplightning.callbacks import AdaLNBindFractions
@@ -402,7 +401,7 @@ def judge(records: Mapping[str, Mapping[str, Any]], baselines: Mapping[str, Mapp
     if "nonprivate" in records:
         v, a = (final_values(records["nonprivate"], arm, "crps") for arm in ("vanilla", "aware"))
         diffs = [y - x for x, y in zip(v, a)]
-        se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+        se = _standard_error(diffs)
         out["iv"] = {"passed": statistics.fmean(diffs) <= se, "mean_aware_minus_vanilla": statistics.fmean(diffs),
                      "se": se}  # fmt: skip
         if vac.get("nonprivate/aware", {}).get("vacuous"):
@@ -426,7 +425,7 @@ def _beats_baselines(record: Mapping[str, Any], baselines: Mapping[str, Mapping[
     for arm in (VANILLA, AWARE):
         if not (values := final_values(record, arm, "crps")):
             continue
-        upper = statistics.fmean(values) + _t90(len(values)) * statistics.stdev(values) / math.sqrt(len(values))
+        upper = paired_interval(values)["high"]  # the one-sided 95 % = the two-sided 90 % t-bound's upper end
         ii[arm] = {"mean": statistics.fmean(values), "upper90": upper,
                    "beats": {b: upper < baselines[b]["crps"] for b in ("train_mean", "locf")}}  # fmt: skip
     return {"passed": bool(ii) and all(all(v["beats"].values()) for v in ii.values()), **ii}
@@ -436,7 +435,7 @@ def _paired_rule(record: Mapping[str, Any], reference: str, arm: str, vac: Mappi
     """Criterion (iii) for ``arm`` against ``reference`` (lower CRPS is better)."""
     ref, new = final_values(record, reference, "crps"), final_values(record, arm, "crps")
     diffs = [r - n for r, n in zip(ref, new)]  # > 0: the arm is better
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+    se = _standard_error(diffs)
     wins, mean = sum(d > 0 for d in diffs), statistics.fmean(diffs)
     result = {"wins": wins, "mean_improvement": mean, "se": se, "interval90": paired_interval(diffs),
               "passed": wins >= 4 and mean > 2 * se}  # fmt: skip
@@ -445,8 +444,9 @@ def _paired_rule(record: Mapping[str, Any], reference: str, arm: str, vac: Mappi
     return result
 
 
-def _t90(n: int) -> float:
-    return float(stats.t.ppf(0.95, n - 1))
+def _standard_error(diffs: Sequence[float]) -> float:
+    """The paired standard error of criteria (iii) and (iv)."""
+    return statistics.stdev(diffs) / math.sqrt(len(diffs))
 
 
 def baselines(data: str, budget: Budget) -> dict[str, dict[str, float]]:
