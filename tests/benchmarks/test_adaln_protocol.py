@@ -6,9 +6,9 @@ arithmetic honest and the code path (both calibrations, faults, premise diagnost
 
 from __future__ import annotations
 
-import importlib
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -21,9 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def ap(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the benchmarks import each other by file name
-    return importlib.import_module("adaln_protocol")
+def ap(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("adaln_protocol")
 
 
 def _record(arms: dict[str, list[dict[str, float]]]) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -13,10 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def configs(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The helper as a module (the benchmarks import each other by their file names)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("_configs")
+def configs(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("_configs")
 
 
 def _write(path: Path, model_class: str, lr: float = 0.1) -> Path:

@@ -9,25 +9,22 @@ each arm's strategy matrix, checked here against closed forms written independen
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 N_TRAIN = 1258  # DigitsDataModule's train split
 
 
 @pytest.fixture
-def cd(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The script as a module (the benchmarks import each other by their file names)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("correlated_digits")
+def cd(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("correlated_digits")
 
 
 def _rmse_per_sigma(n: int, momentum: float) -> float:

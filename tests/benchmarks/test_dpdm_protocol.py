@@ -7,10 +7,10 @@ keeps E1's code path working through the protocol.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -22,14 +22,9 @@ from dplightning.privacy.accounting import compute_epsilon
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _module(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the benchmarks import each other by file name
-    return importlib.import_module(name)
-
-
 @pytest.fixture
-def dp(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    return _module(monkeypatch, "dpdm_protocol")
+def dp(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("dpdm_protocol")
 
 
 def _record(arms: dict[str, list[dict[str, float]]]) -> dict:
@@ -95,8 +90,10 @@ def test_heldout_loss_uses_the_same_draws_whatever_the_arms_k(dp: ModuleType) ->
     assert dp.heldout_loss(DPDiffusion(perturb(net)), images, labels, 3) != losses[0]  # other weights
 
 
-def test_regime_sigma_is_the_smallest_that_meets_epsilon_and_the_ratio_follows(monkeypatch: pytest.MonkeyPatch) -> None:
-    regime = _module(monkeypatch, "dpdm_regime")
+def test_regime_sigma_is_the_smallest_that_meets_epsilon_and_the_ratio_follows(
+    benchmark_module: Callable[[str], ModuleType],
+) -> None:
+    regime = benchmark_module("dpdm_regime")
     setting = regime.Setting("tiny", 1000, 100, 50, 4.0, {"image_size": 8, **regime.SMALL})
     row = regime.measure(setting)
     d = sum(p.numel() for p in regime.NCSNppUNet(image_size=8, **regime.SMALL).parameters())

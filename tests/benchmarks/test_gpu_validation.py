@@ -7,24 +7,20 @@ row that does not fit, fails or overruns leaves in the records.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture
-def gv(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The script as a module (the benchmarks import each other by their file names)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("gpu_validation")
+def gv(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("gpu_validation")
 
 
 def _context(gv: ModuleType, left_s: float = 100.0, small: bool = True) -> Any:

@@ -8,10 +8,10 @@ extras each run returns (the majority-class fraction above all).
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -19,15 +19,12 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-ROOT = Path(__file__).resolve().parents[2]
 GRAPE_EXTRAS = ("rank", "projection_entry_std", "lift_scale", "refresh_every", "subspaces", "projected_matrices")
 
 
 @pytest.fixture
-def gd(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The script as a module (the benchmarks import each other by their file names)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("grape_digits")
+def gd(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("grape_digits")
 
 
 @pytest.mark.e2e

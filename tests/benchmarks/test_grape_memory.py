@@ -5,20 +5,16 @@ The measurements themselves (minutes of fresh processes) are replaced by a fake 
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture
-def gm(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("grape_memory")
+def gm(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("grape_memory")
 
 
 def test_the_planner_stands_beside_the_dp_runners_of_the_text_model_only(gm: ModuleType) -> None:

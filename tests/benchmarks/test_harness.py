@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -16,9 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def harness(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("_harness")
+def harness(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("_harness")
 
 
 def test_the_quiet_trainer_has_no_logger_checkpoints_bar_or_summary_unless_asked(harness: ModuleType) -> None:

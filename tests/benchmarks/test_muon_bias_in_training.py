@@ -8,22 +8,18 @@ the division by the batch, the noise subtraction or the momentum replay breaks i
 
 from __future__ import annotations
 
-import importlib
 import math
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture
-def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The script as a module (the benchmarks import each other by their file names)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("muon_bias_in_training")
+def bench(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("muon_bias_in_training")
 
 
 @pytest.mark.e2e

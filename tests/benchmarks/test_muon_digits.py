@@ -7,9 +7,9 @@ DPMuon diagnostics each run returns.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,14 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture
-def md(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The script as a module (the benchmarks import each other by their file names)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("muon_digits")
+def md(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("muon_digits")
 
 
 @pytest.mark.e2e

@@ -9,10 +9,10 @@ They need SST-2 in ``../shared/data/sst2`` and the pretrained MiniLM package, el
 from __future__ import annotations
 
 import csv
-import importlib
 import importlib.util
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -30,10 +30,8 @@ needs_minilm = pytest.mark.skipif(
 
 
 @pytest.fixture
-def ms(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The script as a module (the benchmarks import each other by their file names)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("muon_sst2")
+def ms(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("muon_sst2")
 
 
 def _dev_sentences() -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
@@ -15,15 +14,12 @@ from typing import Any
 import pytest
 from scipy import stats
 
-ROOT = Path(__file__).resolve().parents[2]
 GRID = [{"lr": 0.005}, {"lr": 0.01}, {"lr": 0.02}]
 
 
 @pytest.fixture
-def proto(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The module (the benchmarks import each other by their file names)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("_protocol")
+def proto(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("_protocol")
 
 
 def arm_fn(offset: float, noise: float, calls: list[tuple[str, float, int, str]], name: str) -> Callable[..., Any]:

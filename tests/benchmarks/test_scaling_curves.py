@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from types import ModuleType
@@ -13,14 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture
-def sc(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The script as a module (the benchmarks import each other by their file names)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("scaling_curves")
+def sc(benchmark_module: Callable[[str], ModuleType]) -> ModuleType:
+    return benchmark_module("scaling_curves")
 
 
 @pytest.mark.e2e
