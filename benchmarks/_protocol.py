@@ -244,7 +244,7 @@ def paired_interval(diffs: Sequence[float], level: float = LEVEL) -> dict[str, A
     n = len(diffs)
     mean = statistics.fmean(diffs)
     sd = statistics.stdev(diffs) if n > 1 else math.nan
-    half = stats.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n) if n > 1 else math.nan
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n) if n > 1 else math.nan  # JSON-safe
     return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half, "level": level}
 
 

@@ -103,6 +103,13 @@ def test_interval_matches_scipy_on_the_listed_runs(proto: ModuleType, tmp_path: 
         assert (stored["mean"], stored["sd"]) == pytest.approx((statistics.fmean(values), statistics.stdev(values)))
 
 
+def test_interval_is_plain_floats_so_judgements_serialise(proto: ModuleType) -> None:
+    """Comparisons against its ends are Python bools, which ``json.dumps`` accepts (numpy's are refused)."""
+    interval = proto.paired_interval([0.1, 0.3, 0.2, 0.25])
+    assert all(type(interval[k]) is float for k in ("mean", "sd", "low", "high"))
+    json.dumps({"beats": interval["high"] < 1.0})
+
+
 def crashing(fn: Callable[..., Any], after: int) -> Callable[..., Any]:
     """``fn`` that raises on its call number ``after + 1`` (a crashed run)."""
     count = [0]
