@@ -17,6 +17,7 @@ uncommitted files); :func:`write_report` writes it, and scripts that write their
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -108,6 +109,7 @@ def measured(train: Callable[[], tuple[StepClock, int]]) -> dict[str, Any]:
     foreign = max(busy1 - busy0 - (own1 - own0), 0.0) / (wall * (os.cpu_count() or 1))
     return {
         "step_ms": clock.step_ms(warmup),
+        "step_rows": clock.rows[warmup:-1],  # the rows of each timed step, aligned with step_ms
         "mean_batch_rows": statistics.fmean(clock.rows[warmup:-1]),
         "peak_rss_mib": rss1,
         "rss_growth_mib": rss1 - rss0,
@@ -131,13 +133,24 @@ def in_fresh_process(
     raise AssertionError("unreachable")
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pooled statistics of several repeats of one runner."""
+def summarise(runs: list[dict[str, Any]], expected_rows: int | None = None) -> dict[str, Any]:
+    """Pooled statistics of several repeats of one runner.
+
+    With ``expected_rows`` (the nominal batch B), also ``median_ms_at_batch``: the median over
+    the steps of step time × B / the step's rows. A Poisson batch of expected size B varies by
+    about √B rows from step to step, so with a few timed steps the raw median of a DP runner
+    moves with its draws of the batch size (and a non-private runner always has B); the scaled
+    median compares runners at the same rows, assuming a step's time is proportional to them.
+    """
     steps = [t for run in runs for t in run["step_ms"]]
+    scaled = {}
+    if expected_rows is not None:
+        per_step = [t * expected_rows / r for run in runs for t, r in zip(run["step_ms"], run["step_rows"]) if r > 0]
+        scaled = {"median_ms_at_batch": statistics.median(per_step) if per_step else math.nan}
     return {
         "median_ms": statistics.median(steps), "mean_ms": statistics.fmean(steps),
         "stdev_ms": statistics.stdev(steps) if len(steps) > 1 else 0.0,
-        "repeat_median_ms": [statistics.median(run["step_ms"]) for run in runs],
+        "repeat_median_ms": [statistics.median(run["step_ms"]) for run in runs], **scaled,
         "mean_batch_rows": statistics.fmean(run["mean_batch_rows"] for run in runs),
         **{key: max(run[key] for run in runs) for key in ("peak_rss_mib", "rss_growth_mib", "foreign_cpu_pct")},
         "runs": runs,

@@ -8,6 +8,10 @@ Run (the table in ``docs/clipping_engines.md``), or a smoke run::
 Workloads (random data, fixed seeds, the same model and data for every runner):
 
 * ``mlp``: 4 x (Linear(512, 512) + Tanh) and a Linear(512, 10) head, batch 256;
+* ``mlp_mnist``: the MNIST MLP 784-512-512-10 (ReLU), batch 64;
+* ``linear_stack``: 4 x (Linear(256, 256) + Tanh) and a Linear(256, 10) head applied to each of
+  T = 64 rows of every example, the logits averaged over the rows, batch 32 (where flat clipping
+  holds every layer's output gradient until the last norm is known);
 * ``cnn``: ``SmallCNN(1, 32)`` (two Conv + GroupNorm blocks) on 1x28x28, batch 256;
 * ``gptneo``: a Hugging Face GPT-Neo causal LM from a config (4 layers, width 256, 8 heads,
   sequence 128, vocabulary 8192, untied head), batch 32, loss = each sequence's mean token loss;
@@ -19,6 +23,8 @@ each clipping engine) and ``opacus_hooks`` / ``opacus_ghost`` (Opacus' ``make_pr
 ``grad_sample_mode="hooks"`` / ``"ghost"``, driving a plain loop). All use AdamW(lr=1e-4); the
 DP runners use σ = 1, C = 1, flat clipping and Poisson sampling with q = B / N. Every
 measurement runs in a fresh process; see ``_harness.py`` for how time and memory are taken.
+Time ratios use each runner's median step time scaled to the nominal batch B (step time × B /
+the step's rows), since Poisson batches vary by about √B rows.
 
 ``train_runner`` is what ``gpu_validation.py`` reuses on a GPU: the same runners with a
 :class:`Placement` (accelerator and precision) other than the CPU tables' fp32.
@@ -112,6 +118,22 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.Tanh())], nn.Linear(512, NUM_CLASSES))
 
 
+def _mlp_mnist() -> nn.Module:
+    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, NUM_CLASSES))
+
+
+class _RowMean(nn.Module):
+    """``[n, T, k]`` logits per row -> ``[n, k]``, their mean over the rows."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(1)
+
+
+def _linear_stack(width: int = 256) -> nn.Module:
+    blocks = [m for _ in range(4) for m in (nn.Linear(width, width), nn.Tanh())]
+    return nn.Sequential(*blocks, nn.Linear(width, NUM_CLASSES), _RowMean())
+
+
 class _HF(nn.Module):
     """A Hugging Face model returning logits (position ids passed explicitly, as Opacus needs them)."""
 
@@ -150,6 +172,8 @@ def _vit() -> nn.Module:
 
 WORKLOADS = {
     "mlp": Workload(_mlp, lambda n, g: torch.randn(n, 512, generator=g), 256),
+    "mlp_mnist": Workload(_mlp_mnist, lambda n, g: torch.randn(n, 784, generator=g), 64),
+    "linear_stack": Workload(_linear_stack, lambda n, g: torch.randn(n, 64, 256, generator=g), 32),
     "cnn": Workload(lambda: SmallCNN(1, 32, NUM_CLASSES), lambda n, g: torch.randn(n, 1, 28, 28, generator=g), 256),
     "gptneo": Workload(_gptneo, lambda n, g: torch.randint(0, VOCAB, (n, SEQ), generator=g), 32, language_model=True),
     "vit": Workload(_vit, lambda n, g: torch.randn(n, 3, 32, 32, generator=g), 32),
@@ -287,7 +311,8 @@ RATIOS = [("nonprivate", "time"), ("opacus_hooks", "time"), ("nonprivate", "peak
 
 
 def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    keys = {"time": "median_ms", "peak": "peak_rss_mib", "growth": "rss_growth_mib"}
+    # Time at the nominal batch: a DP runner's Poisson batches vary around it (_harness.summarise).
+    keys = {"time": "median_ms_at_batch", "peak": "peak_rss_mib", "growth": "rss_growth_mib"}
     return {
         runner: {
             f"{what}/{base}": r[keys[what]] / results[base][keys[what]] for base, what in RATIOS if base in results
@@ -302,12 +327,12 @@ def _table(workload: str, results: dict[str, dict[str, Any]], ratios: dict[str, 
         f"{workload}: batch {w.batch}, {args.repeats} x {args.steps} timed steps (after {args.warmup} warm-up), "
         f"{args.threads} threads"
     )
-    cols = ["median ms", "x non-priv", "x opacus hk", "peak RSS", "x non-priv", "RSS growth", "x non-priv"]
+    cols = ["median ms", "ms at B", "x non-priv", "x opacus hk", "peak RSS", "x non-priv", "RSS growth", "x non-priv"]
     lines = [head, f"  {'runner':<22}" + "".join(c.rjust(12) for c in cols)]
     for runner, r in results.items():
         q = ratios[runner]
         cells = [
-            f"{r['median_ms']:.1f}", f"{q.get('time/nonprivate', float('nan')):.2f}",
+            f"{r['median_ms']:.1f}", f"{r['median_ms_at_batch']:.1f}", f"{q.get('time/nonprivate', float('nan')):.2f}",
             f"{q.get('time/opacus_hooks', float('nan')):.2f}", f"{r['peak_rss_mib']:.0f}",
             f"{q.get('peak/nonprivate', float('nan')):.2f}", f"{r['rss_growth_mib']:+.0f}",
             f"{q.get('growth/nonprivate', float('nan')):.2f}",
@@ -339,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
             for runner in args.runners:
                 job = (runner, workload, args.steps, args.warmup, args.threads, args.clipping)
                 runs[runner].append(in_fresh_process(measure, job, args.max_other_cpu, f"{workload}/{runner}"))
-        results[workload] = {r: summarise(v) for r, v in runs.items()}
+        results[workload] = {r: summarise(v, expected_rows=WORKLOADS[workload].batch) for r, v in runs.items()}
         ratios[workload] = _ratios(results[workload])
         print(_table(workload, results[workload], ratios[workload], args), end="\n\n", flush=True)
     write_report(args.out, "engines", args.threads, vars(args), results=results, ratios=ratios)

@@ -61,6 +61,19 @@ def test_the_clock_counts_rows_of_tuple_and_mapping_batches_and_stops_after_its_
     assert stopped == [2] and loop.rows == [3, 3, 3]
 
 
+def test_the_time_at_the_nominal_batch_scales_each_step_by_its_rows(harness: ModuleType) -> None:
+    """Poisson batches of 24 and 40 rows at B = 32: each step counts as if it had 32 rows."""
+    runs = [
+        {"step_ms": [30.0, 50.0], "step_rows": [24, 40], "mean_batch_rows": 32.0, "peak_rss_mib": 1.0,
+         "rss_growth_mib": 0.0, "foreign_cpu_pct": 0.0},
+        {"step_ms": [20.0, 99.0], "step_rows": [16, 0], "mean_batch_rows": 8.0, "peak_rss_mib": 2.0,
+         "rss_growth_mib": 0.0, "foreign_cpu_pct": 0.0},
+    ]  # fmt: skip
+    summary = harness.summarise(runs, expected_rows=32)
+    assert summary["median_ms_at_batch"] == pytest.approx(40.0)  # 40, 40, 40; the empty batch is left out
+    assert summary["median_ms"] == pytest.approx(40.0) and "median_ms_at_batch" not in harness.summarise(runs)
+
+
 def test_the_command_shows_the_script_from_the_repository_and_hides_other_absolute_paths(harness: ModuleType) -> None:
     argv = [str(ROOT / "benchmarks" / "engines.py"), "--out", "/somewhere/x.json", "--quick", "results/y.json"]
     assert harness.command(argv) == "python benchmarks/engines.py --out <path> --quick results/y.json"

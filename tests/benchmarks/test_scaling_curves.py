@@ -42,6 +42,7 @@ def test_smoke_run_records_every_runner_at_every_point_autos_engines_and_the_fig
             assert list(point["runners"]) == sc.RUNNERS  # every runner measured, none skipped
             for r in point["runners"].values():
                 assert math.isfinite(r["median_ms"]) and r["median_ms"] > 0
+                assert math.isfinite(r["median_ms_at_batch"]) and r["median_ms_at_batch"] > 0
                 assert all(math.isfinite(t) and t > 0 for run in r["runs"] for t in run["step_ms"])
                 assert math.isfinite(r["peak_rss_mib"]) and r["peak_rss_mib"] > 0 and r["rss_growth_mib"] >= 0
             auto = point["auto_engines"]
@@ -79,7 +80,8 @@ def _fake_run(job: tuple[Any, ...], args: Any, label: str) -> dict[str, Any]:
     ms = seq**2 / 10 if runner == "opacus_ghost" else float(seq)
     engines = {"net.stack.0": "book_keeping for T <= 11, else instantiate"} if runner == "dp_auto" else {}
     return {
-        "step_ms": [ms, ms], "mean_batch_rows": float(batch), "peak_rss_mib": 100.0 + seq, "rss_growth_mib": float(seq),
+        "step_ms": [ms, ms], "step_rows": [batch, batch], "mean_batch_rows": float(batch),
+        "peak_rss_mib": 100.0 + seq, "rss_growth_mib": float(seq),
         "foreign_cpu_pct": 0.0, "threads": 1, "engines": engines, "engine_table": "",
     }  # fmt: skip
 
