@@ -15,6 +15,7 @@ Workloads (random data, fixed seeds, the same model and data for every runner):
 * ``cnn``: ``SmallCNN(1, 32)`` (two Conv + GroupNorm blocks) on 1x28x28, batch 256;
 * ``gptneo``: a Hugging Face GPT-Neo causal LM from a config (4 layers, width 256, 8 heads,
   sequence 128, vocabulary 8192, untied head), batch 32, loss = each sequence's mean token loss;
+* ``gpt2``: a Hugging Face GPT-2 (Conv1D layers) from a config, the same sizes as ``gptneo``;
 * ``vit``: a Hugging Face ViT classifier from a config (6 layers, width 256, 8 heads, 32x32
   images, patch 4), batch 32.
 
@@ -160,6 +161,17 @@ def _gptneo(seq: int = SEQ) -> nn.Module:
     return _HF(GPTNeoForCausalLM(config), language_model=True)
 
 
+def _gpt2(seq: int = SEQ) -> nn.Module:
+    """GPT-2's layout (Hugging Face ``Conv1D`` layers) at the GPT-Neo workload's sizes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=4, n_embd=256, n_head=8, vocab_size=VOCAB, n_positions=seq, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, tie_word_embeddings=False,  # as gptneo: Opacus' ghost mode refuses tied embeddings
+    )  # fmt: skip
+    return _HF(GPT2LMHeadModel(config), language_model=True)
+
+
 def _vit() -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -176,6 +188,7 @@ WORKLOADS = {
     "linear_stack": Workload(_linear_stack, lambda n, g: torch.randn(n, 64, 256, generator=g), 32),
     "cnn": Workload(lambda: SmallCNN(1, 32, NUM_CLASSES), lambda n, g: torch.randn(n, 1, 28, 28, generator=g), 256),
     "gptneo": Workload(_gptneo, lambda n, g: torch.randint(0, VOCAB, (n, SEQ), generator=g), 32, language_model=True),
+    "gpt2": Workload(_gpt2, lambda n, g: torch.randint(0, VOCAB, (n, SEQ), generator=g), 32, language_model=True),
     "vit": Workload(_vit, lambda n, g: torch.randn(n, 3, 32, 32, generator=g), 32),
 }
 RUNNERS = ["nonprivate", *(f"dp_{e}" for e in available_engines()), "opacus_hooks", "opacus_ghost"]
