@@ -238,6 +238,7 @@ class PrivateStep:
         automatic, scale = self._automatic, self._scale
         if automatic:
             self.restore_weight_grads()
+            hooks.forget_inputs()  # the graph's one backward pass is done: free the layers' inputs now
         grads = hooks.pop(self._rows_per_unit)
         if self.verification.active:
             self.verification.check(self.module, self.privatizer.params, grads, self.transforms, self._batch_units)

@@ -131,6 +131,7 @@ class PerExampleHooks:
         self._batch_major = batch_major_layers(module)
         self._grads: dict[nn.Parameter, list[PerExampleGrad]] = {}
         self._outstanding: dict[nn.Module, int] = {}
+        self._calls: list[LayerCall] = []  # captured since the last pop, for forget_inputs
         self.on_layer_done: Callable[[nn.Module], None] | None = None
         """Called when the last captured call of a layer got its gradient (its parameters may be taken)."""
         self._handles: list[RemovableHandle] = []
@@ -222,6 +223,7 @@ class PerExampleHooks:
         )
         call.examples = example_rows(layer, call)
         call.fold = self._rows_per_example(layer, call)
+        self._calls.append(call)
         tensors = [outputs[i] for i in slots]
         self._outstanding[layer] = self._outstanding.get(layer, 0) + 1
         if len(tensors) == 1:
@@ -297,6 +299,19 @@ class PerExampleHooks:
         if self._outstanding[layer] == 0 and self.on_layer_done is not None:
             self.on_layer_done(layer)
 
+    def forget_inputs(self) -> None:
+        """Drop the inputs of every call captured since the last :meth:`pop` (their gradients are taken).
+
+        A call's hook holds its layer's inputs in its closure, which lives on the graph as long as the
+        loss does (Lightning keeps it to the end of the step), so every layer's input would outlive its
+        use: through the coupling probe's second forward and the optimizer step. A factored gradient
+        keeps its own reference to what it needs. Only for a graph no further backward pass can reach
+        (automatic optimization: one backward per graph); a hook that fires after this would fail.
+        """
+        for call in self._calls:
+            call.args, call.kwargs = (), {}
+        self._calls.clear()
+
     def take(self, params: Sequence[nn.Parameter], rows_per_unit: int = 1) -> dict[nn.Parameter, PerExampleGrad]:
         """The per-example gradients of ``params`` captured so far, per privacy unit; they are forgotten."""
         return {p: add(self._grads.pop(p)).units(rows_per_unit) for p in params if p in self._grads}
@@ -309,6 +324,7 @@ class PerExampleHooks:
         """
         grads = {p: add(parts).units(rows_per_unit) for p, parts in self._grads.items()}
         self._grads.clear()
+        self._calls.clear()
         self._outstanding.clear()  # calls whose output got no gradient (cut from the graph) are forgotten
         return grads
 
@@ -318,3 +334,4 @@ class PerExampleHooks:
             handle.remove()
         self._handles.clear()
         self._grads.clear()
+        self._calls.clear()
