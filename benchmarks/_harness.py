@@ -133,6 +133,11 @@ def in_fresh_process(
     raise AssertionError("unreachable")
 
 
+def at_batch(step_ms: Sequence[float], rows: Sequence[int], batch: int) -> list[float]:
+    """Each step's time scaled to the nominal batch, step time × B / the step's rows (empty batches left out)."""
+    return [t * batch / r for t, r in zip(step_ms, rows) if r > 0]
+
+
 def summarise(runs: list[dict[str, Any]], expected_rows: int | None = None) -> dict[str, Any]:
     """Pooled statistics of several repeats of one runner.
 
@@ -145,7 +150,7 @@ def summarise(runs: list[dict[str, Any]], expected_rows: int | None = None) -> d
     steps = [t for run in runs for t in run["step_ms"]]
     scaled = {}
     if expected_rows is not None:
-        per_step = [t * expected_rows / r for run in runs for t, r in zip(run["step_ms"], run["step_rows"]) if r > 0]
+        per_step = [t for run in runs for t in at_batch(run["step_ms"], run["step_rows"], expected_rows)]
         scaled = {"median_ms_at_batch": statistics.median(per_step) if per_step else math.nan}
     return {
         "median_ms": statistics.median(steps), "mean_ms": statistics.fmean(steps),

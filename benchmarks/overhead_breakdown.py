@@ -42,7 +42,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _harness import write_report
+from _harness import at_batch, write_report
 from _outputs import default_result
 from engines import WORKLOADS, train_runner
 
@@ -205,11 +205,6 @@ class TimedSteps(pl.Callback):
         if idx == self.warmup:
             self.timer.reset()
             self.held.per_pop.clear()
-
-
-def at_batch(step_ms: list[float], rows: list[int], batch: int) -> list[float]:
-    """Each step's time scaled to the nominal batch (empty batches left out)."""
-    return [t * batch / r for t, r in zip(step_ms, rows) if r > 0]
 
 
 def breakdown(workload: str, engine: str, steps: int, warmup: int) -> dict[str, Any]:
