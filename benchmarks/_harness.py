@@ -164,12 +164,23 @@ def summarise(runs: list[dict[str, Any]], expected_rows: int | None = None) -> d
 
 def write_report(path: Path, name: str, threads: int, settings: dict[str, Any], **results: Any) -> None:
     """Write the JSON record of one benchmark run: the command, the machine, the settings and the results."""
-    report = {
-        "benchmark": name, **provenance(threads), **{k: v for k, v in settings.items() if k != "out"}, **results,
-    }  # fmt: skip
+    shown = {k: _shown_path(Path(v)) if _is_path(v) else v for k, v in settings.items() if k != "out"}
+    report = {"benchmark": name, **provenance(threads), **shown, **results}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")  # settings may hold paths
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {path}")
+
+
+def _is_path(value: Any) -> bool:
+    return isinstance(value, Path) or (isinstance(value, str) and os.path.isabs(value))
+
+
+def _shown_path(path: Path) -> str:
+    """A setting's path as the record shows it: relative to the repository, else ``<path>`` (no machine paths)."""
+    if not path.is_absolute():
+        return path.as_posix()
+    resolved = path.resolve()
+    return resolved.relative_to(ROOT).as_posix() if resolved.is_relative_to(ROOT) else "<path>"
 
 
 def provenance(threads: int, argv: Sequence[str] | None = None) -> dict[str, Any]:

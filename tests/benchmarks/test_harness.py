@@ -99,3 +99,13 @@ def test_every_report_carries_the_command_machine_and_commit(harness: ModuleType
     assert "out" not in written
     line = harness.provenance_line(written)
     assert line.startswith("Command: `python benchmarks/demo.py --out <path>`; commit ") and "2 thread(s)" in line
+
+
+def test_reports_show_setting_paths_relative_to_the_repository_or_hidden(harness: ModuleType, tmp_path) -> None:
+    settings = {"figures": ROOT / "docs" / "figures", "data": "/elsewhere/data.csv", "folder": Path("x/y"),
+                "name": "abc", "out": tmp_path / "r.json"}  # fmt: skip
+    harness.write_report(tmp_path / "r.json", "demo", 1, settings)
+    record = json.loads((tmp_path / "r.json").read_text())
+    shown = (record["figures"], record["data"], record["folder"], record["name"])
+    assert shown == ("docs/figures", "<path>", "x/y", "abc")
+    assert "out" not in record
