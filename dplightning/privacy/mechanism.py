@@ -160,6 +160,12 @@ class GradientPrivatizer:
             sq[:, self._column[p]] = g.sq_norms()
         return sq
 
+    def discard(self) -> None:
+        """Zero the buckets: what was accumulated since the last release must never be released (a refused step)."""
+        for b in self.buckets:
+            b.zero_()
+        self._released = False
+
     def group_of(self, p: nn.Parameter) -> int:
         """Index of ``p``'s clip group."""
         return self._group_of[p]

@@ -24,6 +24,7 @@ optimization (its ``training_step`` steps the optimizer, so it cannot be run twi
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -116,28 +117,65 @@ def step_loss(output: Any) -> Tensor | None:
     return None
 
 
+@dataclass
+class GradientSummary:
+    """What the probe compares of one parameter's per-example gradients.
+
+    Attributes:
+        norms: ``[n]`` each unit's gradient norm.
+        combination: A random combination of the kept units with finite norms (it sees a change
+            of direction that keeps the norm), shaped like the parameter.
+    """
+
+    norms: Tensor
+    combination: Tensor
+
+
+def _combination_weights(kept: Tensor) -> Tensor:
+    return torch.randn(kept.shape[0], generator=torch.Generator().manual_seed(0)) * kept
+
+
+def summarize(grads: Mapping[nn.Parameter, PerExampleGrad], kept: Tensor) -> dict[nn.Parameter, GradientSummary]:
+    """The real pass' side of the comparison, taken before clipping so its per-example factors can be freed.
+
+    Its size is one gradient of the model; the factors it replaces (a layer's inputs and output
+    gradients) are a batch of activations.
+    """
+    weights = _combination_weights(kept)
+    summaries = {}
+    for p, g in grads.items():
+        norms = g.sq_norms().sqrt()
+        w = (weights.to(norms.device) * norms.isfinite()).to(torch.float32)
+        summaries[p] = GradientSummary(norms.detach(), g.weighted_sum(w).float().detach())
+    return summaries
+
+
 def coupled_parameters(
-    real: Mapping[nn.Parameter, PerExampleGrad], probe: Mapping[nn.Parameter, PerExampleGrad], kept: Tensor
+    real: Mapping[nn.Parameter, GradientSummary], probe: Mapping[nn.Parameter, PerExampleGrad], kept: Tensor
 ) -> dict[nn.Parameter, float]:
     """Parameters whose kept units' gradients differ between the real and the probe pass, with the difference.
 
-    Compared: each kept unit's gradient norm, and a random combination of the kept units'
-    gradients (it sees a change of direction that keeps the norm); relative to the largest.
+    Compared: each kept unit's gradient norm, and the random combination of :func:`summarize`;
+    relative to the largest. A kept unit whose norm was finite and is not in the probe counts
+    as changed.
     """
-    weights = torch.randn(kept.shape[0], generator=torch.Generator().manual_seed(0)) * kept
+    weights = _combination_weights(kept)
     differing: dict[nn.Parameter, float] = {}
     for p in real.keys() | probe.keys():
         if p not in real or p not in probe:
             differing[p] = 1.0
             continue
         a, b = real[p], probe[p]
-        norms_a, norms_b = a.sq_norms().sqrt(), b.sq_norms().sqrt()
-        finite = kept.to(norms_a.device) & norms_a.isfinite() & norms_b.isfinite()
-        w = (weights.to(norms_a.device) * finite).to(torch.float32)
-        sum_a, sum_b = a.weighted_sum(w).float(), b.weighted_sum(w).float()
-        scale = max(float(norms_a[finite].max()) if finite.any() else 0.0, float(sum_a.norm()), 1e-12)
+        norms_a, norms_b = a.norms, b.sq_norms().sqrt()
+        finite_a = kept.to(norms_a.device) & norms_a.isfinite()
+        if bool((finite_a & ~norms_b.isfinite()).any()):
+            differing[p] = math.inf
+            continue
+        w = (weights.to(norms_a.device) * norms_a.isfinite()).to(torch.float32)
+        sum_a, sum_b = a.combination, b.weighted_sum(w).float()
+        scale = max(float(norms_a[finite_a].max()) if finite_a.any() else 0.0, float(sum_a.norm()), 1e-12)
         difference = max(
-            float((norms_a[finite] - norms_b[finite]).abs().max()) if finite.any() else 0.0,
+            float((norms_a[finite_a] - norms_b[finite_a]).abs().max()) if finite_a.any() else 0.0,
             float((sum_a - sum_b).norm()),
         )
         if difference > PROBE_RTOL * scale:

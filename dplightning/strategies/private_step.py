@@ -35,7 +35,14 @@ from dplightning.privacy.noise import GaussianNoise
 from dplightning.protocols import DPPlan, DPPlanned, DPRelease
 from dplightning.strategies.accumulation import ManualAccumulation
 from dplightning.strategies.config import DPConfig
-from dplightning.strategies.coupling import CouplingProbe, coupled_parameters, rng_state, set_rng_state
+from dplightning.strategies.coupling import (
+    CouplingProbe,
+    GradientSummary,
+    coupled_parameters,
+    rng_state,
+    set_rng_state,
+    summarize,
+)
 from dplightning.strategies.verification import GradientVerification
 
 
@@ -244,12 +251,24 @@ class PrivateStep:
             self.verification.check(self.module, self.privatizer.params, grads, self.transforms, self._batch_units)
         # Before the coupling probe, whose forward would otherwise hold them: nothing reads them after the check.
         self._drop_weight_grads()
-        if self._probe is not None:
-            self._check_coupling(grads)
-        if automatic:
-            self._clip(grads, scale)
-        else:
+        if not automatic:
             self.accumulation.add(grads, scale)
+            return
+        if self._probe is None:
+            self._clip(grads, scale)
+            return
+        # The probe (automatic optimization only) compares a summary of the real pass, so that the pass'
+        # per-example factors (the layers' inputs and output gradients) are clipped and freed before the
+        # probe's own forward and backward.
+        real = summarize(grads, self._probe.kept)
+        self._clip(grads, scale)
+        del grads
+        try:
+            self._check_coupling(real)
+        except BaseException:  # refused, or the replay failed: the step's clipped sum must never be released
+            self.privatizer.discard()
+            self._stats.clear()
+            raise
 
     def _drop_weight_grads(self) -> None:
         """Set every ``p.grad`` to ``None``.
@@ -282,7 +301,7 @@ class PrivateStep:
         self.nonfinite_examples += stats.nonfinite
         self._stats.append(stats)
 
-    def _check_coupling(self, grads: dict[nn.Parameter, PerExampleGrad]) -> None:
+    def _check_coupling(self, real: dict[nn.Parameter, GradientSummary]) -> None:
         """Replay the step on the probe batch; refuse if a kept unit's gradient changed (strategies/coupling.py)."""
         probe, self._probe = known(self._probe, "the coupling probe"), None
         hooks = known(self.hooks, "the per-example hooks")
@@ -303,7 +322,7 @@ class PrivateStep:
             self._drop_weight_grads()  # the probe's backward wrote them again (verified steps)
         if units < 2 or loss is None:
             return
-        differing = coupled_parameters(grads, replayed, probe.kept)
+        differing = coupled_parameters(real, replayed, probe.kept)
         if differing:
             names = {p: n for n, p in self.module.named_parameters()}
             listed = ", ".join(f"{names.get(p, '?')} ({err:.2g})" for p, err in list(differing.items())[:6])

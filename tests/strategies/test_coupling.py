@@ -166,11 +166,14 @@ def test_the_probe_runs_without_autograd_gradients_and_a_refusal_leaves_none() -
     assert all(p.grad is None for p in module.parameters())  # autograd's raw sum is not private
 
 
-def test_the_real_steps_layer_inputs_are_freed_before_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("engine", ["instantiate", "book_keeping"])
+def test_the_real_steps_per_example_state_is_freed_before_the_probe(engine: str, monkeypatch) -> None:
     # Each captured call keeps its layer's inputs in its hook's closure, which lives on the graph as long
-    # as the loss does (to the end of the step). Under instantiation nothing else needs them after the
-    # backward pass: held through the probe's forward they doubled the peak at long sequences
-    # (scaling_curves.py, T = 2048: 1,520 MiB against 1,084 without verification).
+    # as the loss does (to the end of the step), and book-keeping's factored gradients hold the inputs and
+    # the output gradients until they are clipped. Held through the probe's forward they doubled the peak
+    # at long sequences (scaling_curves.py, T = 2048: 1,520 MiB against 1,084 without verification) and
+    # raised GPT-2's by a third (memory_plan_check.py): the real pass is clipped before the probe and
+    # compared through a summary.
     import gc
     import weakref
 
@@ -178,13 +181,20 @@ def test_the_real_steps_layer_inputs_are_freed_before_the_probe(monkeypatch: pyt
 
     captured: list[weakref.ref] = []
     alive_in_probe: list[int] = []
-    detach = hooks_module._detach
+    detach, pop = hooks_module._detach, hooks_module.PerExampleHooks.pop
 
     def recording_detach(value):
         out = detach(value)
         if isinstance(out, Tensor) and out.is_floating_point() and not module.trainer.strategy.probing:
             captured.append(weakref.ref(out))
         return out
+
+    def recording_pop(self, rows_per_unit: int = 1):
+        grads = pop(self, rows_per_unit)
+        if not module.trainer.strategy.probing:
+            for g in grads.values():
+                captured.extend(weakref.ref(t) for t in vars(g).values() if isinstance(t, Tensor))
+        return grads
 
     def watched(net, x, y):
         if module.trainer.strategy.probing and not alive_in_probe:
@@ -193,6 +203,23 @@ def test_the_real_steps_layer_inputs_are_freed_before_the_probe(monkeypatch: pyt
         return F.cross_entropy(net(x), y)
 
     monkeypatch.setattr(hooks_module, "_detach", recording_detach)
+    monkeypatch.setattr(hooks_module.PerExampleHooks, "pop", recording_pop)
     module = LossOf(_mlp(), watched)
-    _fit(module, _data(_x(6)), steps=1, clipping_engine="instantiate")
+    _fit(module, _data(_x(6)), steps=1, clipping_engine=engine)
     assert captured and alive_in_probe == [0]
+
+
+def test_a_refusal_discards_the_clipped_sum() -> None:
+    # The real pass is clipped into the buckets before the probe runs: a refused step must leave nothing
+    # there that a later release could publish.
+    privatizers = []
+
+    def centred(net, x, y):
+        privatizers.append(module.trainer.strategy.private_step.privatizer)
+        out = net(x)
+        return F.cross_entropy(out - out.mean(0), y)
+
+    module = LossOf(_mlp(), centred)
+    _assert_refused(module, _data(_x(6)))
+    buckets = privatizers[0].buckets
+    assert buckets and all(torch.count_nonzero(b) == 0 for b in buckets)
