@@ -242,6 +242,10 @@ def assemble(sv: Survey, sigmas: float = DEFAULT_SIGMAS, accumulate: int | None 
         *_backward(s, sv.layers, held, rows, sv.trainable, sv.projected),
         *_optimizer(s, sv.trainable, sv.largest, states, sv.slots),
     ]
+    if s.verify != "never":  # the coupling probe replays the step holding a summary of the real pass (coupling.py)
+        summary = (sv.slots if sv.slots is not None else sv.trainable) * 4
+        for phase in ("forward", "backward"):
+            components.append(Component("coupling probe's summary", summary, phase, "fp32, first steps only"))
     if s.noise_buffers:  # on every noising rank (rank 0 under noise_placement="rank0"); secret, never saved
         noised = sv.slots if sv.slots is not None else sv.trainable
         detail = f"{s.noise_buffers} fp32 buffers of the {noised:,} noised elements, secret"
