@@ -35,6 +35,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from dplightning.privacy.grad_sample import PerExampleGrad
+from dplightning.privacy.grad_sample.grads import held_bytes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -135,29 +136,44 @@ def _combination_weights(kept: Tensor) -> Tensor:
     return torch.randn(kept.shape[0], generator=torch.Generator().manual_seed(0)) * kept
 
 
-def summarize(grads: Mapping[nn.Parameter, PerExampleGrad], kept: Tensor) -> dict[nn.Parameter, GradientSummary]:
-    """The real pass' side of the comparison, taken before clipping so its per-example factors can be freed.
+def _summary(g: PerExampleGrad, weights: Tensor) -> GradientSummary:
+    norms = g.sq_norms().sqrt()
+    w = (weights.to(norms.device) * norms.isfinite()).to(torch.float32)
+    return GradientSummary(norms.detach(), g.weighted_sum(w).float().detach())
 
-    Its size is one gradient of the model; the factors it replaces (a layer's inputs and output
-    gradients) are a batch of activations.
+
+def summarize(grads: Mapping[nn.Parameter, PerExampleGrad], kept: Tensor) -> dict[nn.Parameter, GradientSummary]:
+    """The real pass' side of the comparison, so that its per-example state can be freed before the probe.
+
+    Its size is one fp32 gradient of the privatized parameters; worth it where the state it
+    replaces (the layers' inputs and output gradients, or formed gradients) is larger.
     """
     weights = _combination_weights(kept)
-    summaries = {}
-    for p, g in grads.items():
-        norms = g.sq_norms().sqrt()
-        w = (weights.to(norms.device) * norms.isfinite()).to(torch.float32)
-        summaries[p] = GradientSummary(norms.detach(), g.weighted_sum(w).float().detach())
-    return summaries
+    return {p: _summary(g, weights) for p, g in grads.items()}
+
+
+def summary_pays(grads: Mapping[nn.Parameter, PerExampleGrad]) -> bool:
+    """Whether :func:`summarize`'s fp32 gradient is smaller than the per-example state it lets go.
+
+    Activations win on small models or long sequences (a summary then frees most of the probe's
+    extra memory), parameters at small batches of a large model (keeping the state costs less).
+    """
+    summary = sum(4 * math.prod(g.shape) for g in grads.values())
+    return summary < held_bytes(grads.values())
 
 
 def coupled_parameters(
-    real: Mapping[nn.Parameter, GradientSummary], probe: Mapping[nn.Parameter, PerExampleGrad], kept: Tensor
+    real: Mapping[nn.Parameter, GradientSummary | PerExampleGrad],
+    probe: Mapping[nn.Parameter, PerExampleGrad],
+    kept: Tensor,
 ) -> dict[nn.Parameter, float]:
     """Parameters whose kept units' gradients differ between the real and the probe pass, with the difference.
 
-    Compared: each kept unit's gradient norm, and the random combination of :func:`summarize`;
-    relative to the largest. A kept unit whose norm was finite and is not in the probe counts
-    as changed.
+    Compared: each kept unit's gradient norm, and a random combination of the kept units'
+    gradients (it sees a change of direction that keeps the norm); relative to the largest. A
+    kept unit whose norm was finite and is not in the probe counts as changed. ``real`` holds
+    :func:`summarize`'s summaries, or the gradients themselves (summarised one parameter at a
+    time, so that no more than one parameter's combination is alive at once).
     """
     weights = _combination_weights(kept)
     differing: dict[nn.Parameter, float] = {}
@@ -165,7 +181,8 @@ def coupled_parameters(
         if p not in real or p not in probe:
             differing[p] = 1.0
             continue
-        a, b = real[p], probe[p]
+        given, b = real[p], probe[p]
+        a = given if isinstance(given, GradientSummary) else _summary(given, weights)
         norms_a, norms_b = a.norms, b.sq_norms().sqrt()
         finite_a = kept.to(norms_a.device) & norms_a.isfinite()
         if bool((finite_a & ~norms_b.isfinite()).any()):

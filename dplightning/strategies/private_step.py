@@ -17,7 +17,7 @@ it at four points of every optimizer step, each a named template step:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -42,6 +42,7 @@ from dplightning.strategies.coupling import (
     rng_state,
     set_rng_state,
     summarize,
+    summary_pays,
 )
 from dplightning.strategies.verification import GradientVerification
 
@@ -257,9 +258,12 @@ class PrivateStep:
         if self._probe is None:
             self._clip(grads, scale)
             return
-        # The probe (automatic optimization only) compares a summary of the real pass, so that the pass'
-        # per-example factors (the layers' inputs and output gradients) are clipped and freed before the
-        # probe's own forward and backward.
+        if not summary_pays(grads):
+            self._check_coupling(grads)
+            self._clip(grads, scale)
+            return
+        # The probe (automatic optimization only) replays the step. Its comparison needs only a summary of the
+        # real pass, smaller here than the pass' per-example state, which is therefore clipped and freed first.
         real = summarize(grads, self._probe.kept)
         self._clip(grads, scale)
         del grads
@@ -301,7 +305,7 @@ class PrivateStep:
         self.nonfinite_examples += stats.nonfinite
         self._stats.append(stats)
 
-    def _check_coupling(self, real: dict[nn.Parameter, GradientSummary]) -> None:
+    def _check_coupling(self, real: Mapping[nn.Parameter, GradientSummary | PerExampleGrad]) -> None:
         """Replay the step on the probe batch; refuse if a kept unit's gradient changed (strategies/coupling.py)."""
         probe, self._probe = known(self._probe, "the coupling probe"), None
         hooks = known(self.hooks, "the per-example hooks")

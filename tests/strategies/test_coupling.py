@@ -57,6 +57,15 @@ def _assert_refused(module: TinyModule, data: DataLoader) -> None:
     assert len(module.batches) == 1  # the real batch; the probe's replay is not recorded
 
 
+@pytest.fixture(params=["summary", "held"])
+def comparison(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways of comparing: from a summary of the clipped real pass, or from its held per-example state."""
+    from dplightning.strategies import private_step
+
+    monkeypatch.setattr(private_step, "summary_pays", lambda grads: request.param == "summary")
+    return request.param
+
+
 def _token_mean_over_the_batch(net, ids, labels):
     logits = net(input_ids=ids).logits[:, :-1]
     targets = labels[:, 1:]
@@ -65,7 +74,7 @@ def _token_mean_over_the_batch(net, ids, labels):
     return (per_token * counted).sum() / counted.sum()  # Hugging Face's labels= loss, written out
 
 
-def test_a_token_mean_over_the_batch_is_refused() -> None:
+def test_a_token_mean_over_the_batch_is_refused(comparison: str) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=17, n_positions=8, resid_pdrop=0.0,
@@ -78,7 +87,7 @@ def test_a_token_mean_over_the_batch_is_refused() -> None:
     _assert_refused(LossOf(GPT2LMHeadModel(config), _token_mean_over_the_batch), data)
 
 
-def test_a_contrastive_loss_over_the_batch_is_refused() -> None:
+def test_a_contrastive_loss_over_the_batch_is_refused(comparison: str) -> None:
     def info_nce(net, x, y):
         z = F.normalize(net(x), dim=1)
         return F.cross_entropy(z @ z.T / 0.5, torch.arange(len(x)))  # in-batch negatives
@@ -86,7 +95,7 @@ def test_a_contrastive_loss_over_the_batch_is_refused() -> None:
     _assert_refused(LossOf(_mlp(), info_nce), _data(_x(6)))
 
 
-def test_batch_centred_outputs_are_refused() -> None:
+def test_batch_centred_outputs_are_refused(comparison: str) -> None:
     def centred(net, x, y):
         out = net(x)
         return F.cross_entropy(out - out.mean(0), y)
@@ -94,7 +103,7 @@ def test_batch_centred_outputs_are_refused() -> None:
     _assert_refused(LossOf(_mlp(), centred), _data(_x(6)))
 
 
-def test_sequence_first_input_as_long_as_the_batch_is_refused() -> None:
+def test_sequence_first_input_as_long_as_the_batch_is_refused(comparison: str) -> None:
     # [T, n, d] with T == n: every layer sees as many rows as the batch has examples, so the
     # row check passes; the probe sees that "example" i is time step i of every sequence.
     class OverTime(nn.Module):
@@ -108,7 +117,7 @@ def test_sequence_first_input_as_long_as_the_batch_is_refused() -> None:
     _assert_refused(LossOf(OverTime(), lambda net, x, y: F.cross_entropy(net(x), y)), _data(_x(N, 4)))
 
 
-def test_dropout_and_noise_drawn_in_the_step_are_replayed() -> None:
+def test_dropout_and_noise_drawn_in_the_step_are_replayed(comparison: str) -> None:
     def noisy(net, x, y):
         return F.cross_entropy(net(x + torch.randn_like(x)), y)  # DPDM-like draws, and dropout in the net
 
@@ -223,3 +232,22 @@ def test_a_refusal_discards_the_clipped_sum() -> None:
     _assert_refused(module, _data(_x(6)))
     buckets = privatizers[0].buckets
     assert buckets and all(torch.count_nonzero(b) == 0 for b in buckets)
+
+
+def test_the_summary_is_taken_where_it_is_smaller_than_the_state_it_frees() -> None:
+    from dplightning.privacy.grad_sample import Dense, Factored
+    from dplightning.privacy.grad_sample.grads import held_bytes
+    from dplightning.strategies.coupling import summary_pays
+
+    weight, bias = nn.Parameter(torch.zeros(256, 256)), nn.Parameter(torch.zeros(256))
+
+    def linear(n: int, tokens: int) -> dict[nn.Parameter, object]:
+        a, d = torch.randn(n, tokens, 256), torch.randn(n, tokens, 256)
+        return {weight: Factored(a, d, 256, weight.shape), bias: Dense(d.sum(1))}
+
+    long_sequences, one_row_each = linear(32, 64), linear(2, 1)
+    assert summary_pays(long_sequences)  # activations: 2 x 32 x 64 x 256 floats against 256 x 257
+    assert not summary_pays(one_row_each)
+    shared = torch.randn(4, 8, 16)  # q, k and v projections of one input keep it once
+    grads = [Factored(shared, torch.randn(4, 8, 16), 16, torch.Size([16, 16])) for _ in range(3)]
+    assert held_bytes(grads) == 4 * shared.numel() * 4

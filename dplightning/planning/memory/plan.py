@@ -139,6 +139,10 @@ def _forward(s: Settings, d: Dims, matmul: int, rows: int, alive: int) -> list[C
     return out
 
 
+PER_EXAMPLE_STATE = ("layer inputs held by the hooks (A)", "output gradients kept (Δ)", "formed per-example gradients")
+"""The backward phase's lines that make up the per-example state at the clip point."""
+
+
 def _backward(
     s: Settings,
     layers: list[Layer],
@@ -153,10 +157,11 @@ def _backward(
     if early:  # each layer's Δ and g_i go into the buckets when its backward is done
         per = [engine_store([x], prec, s.engine, rows, t, projected) for x in layers]
         kept, formed = max((k for k, _ in per), default=0), max((f for _, f in per), default=0)
+    inputs, deltas, formed_name = PER_EXAMPLE_STATE
     out = [
-        Component("layer inputs held by the hooks (A)", held, "backward", "until the clipped sum"),
-        Component("output gradients kept (Δ)", kept, "backward", f"book-keeping{', one layer' if early else ''}"),
-        Component("formed per-example gradients", formed, "backward", "biases, norms, instantiated weights"),
+        Component(inputs, held, "backward", "until the clipped sum"),
+        Component(deltas, kept, "backward", f"book-keeping{', one layer' if early else ''}"),
+        Component(formed_name, formed, "backward", "biases, norms, instantiated weights"),
         Component(
             "clipping temporaries (fp32)", clipping_transient(layers, prec, s.engine, rows, t, projected), "backward"
         ),
@@ -165,6 +170,18 @@ def _backward(
         note = "autograd's, first steps only (verify_gradients)"
         out.append(Component("gradients p.grad", trainable * prec.param, "backward", note))
     return out
+
+
+def _probe(sv: Survey, components: list[Component]) -> list[Component]:
+    """What the real pass leaves alive while the coupling probe replays it (first steps only; coupling.py).
+
+    The smaller of a summary (one fp32 gradient of the privatized slots) and the pass' own per-example
+    state, as ``coupling.summary_pays`` chooses, through the replay's forward and backward.
+    """
+    summary = (sv.slots if sv.slots is not None else sv.trainable) * 4
+    state = sum(c.bytes for c in components if c.name in PER_EXAMPLE_STATE)
+    name, size = ("the real pass' summary", summary) if summary < state else ("the real pass' per-example state", state)
+    return [Component(f"coupling probe: {name}", size, phase, "first steps only") for phase in ("forward", "backward")]
 
 
 def _optimizer(s: Settings, trainable: int, largest: int, states: float, slots: int | None = None) -> list[Component]:
@@ -242,10 +259,8 @@ def assemble(sv: Survey, sigmas: float = DEFAULT_SIGMAS, accumulate: int | None 
         *_backward(s, sv.layers, held, rows, sv.trainable, sv.projected),
         *_optimizer(s, sv.trainable, sv.largest, states, sv.slots),
     ]
-    if s.verify != "never":  # the coupling probe replays the step holding a summary of the real pass (coupling.py)
-        summary = (sv.slots if sv.slots is not None else sv.trainable) * 4
-        for phase in ("forward", "backward"):
-            components.append(Component("coupling probe's summary", summary, phase, "fp32, first steps only"))
+    if s.verify != "never":
+        components += _probe(sv, components)
     if s.noise_buffers:  # on every noising rank (rank 0 under noise_placement="rank0"); secret, never saved
         noised = sv.slots if sv.slots is not None else sv.trainable
         detail = f"{s.noise_buffers} fp32 buffers of the {noised:,} noised elements, secret"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +63,10 @@ class PerExampleGrad(ABC):
     def units(self, k: int) -> PerExampleGrad:
         """The gradients of units of ``k`` consecutive rows (the sum over each unit's rows)."""
 
+    @abstractmethod
+    def tensors(self) -> list[Tensor]:
+        """The tensors this object keeps alive (formed gradients, or factors)."""
+
 
 @dataclass
 class Dense(PerExampleGrad):
@@ -97,6 +101,9 @@ class Dense(PerExampleGrad):
 
     def units(self, k: int) -> Dense:
         return Dense(self.value.reshape(self.rows // k, k, *self.shape).sum(1)) if k > 1 else self
+
+    def tensors(self) -> list[Tensor]:
+        return [self.value]
 
 
 def ghost_norm_pays(tokens: int, elements: int) -> bool:
@@ -188,6 +195,9 @@ class Factored(PerExampleGrad):
         left = self.left.reshape(n, k * self.tokens, *self.left.shape[2:])
         return Factored(left, self.right.reshape(n, k * self.tokens, self.right.shape[2]), self.width, self.shape)
 
+    def tensors(self) -> list[Tensor]:
+        return [self.left, self.right]
+
 
 @dataclass
 class Summed(PerExampleGrad):
@@ -228,6 +238,19 @@ class Summed(PerExampleGrad):
 
     def units(self, k: int) -> Summed:
         return Summed([p.units(k) for p in self.parts])
+
+    def tensors(self) -> list[Tensor]:
+        return [t for p in self.parts for t in p.tensors()]
+
+
+def held_bytes(grads: Iterable[PerExampleGrad]) -> int:
+    """Bytes the gradients keep alive, each storage counted once (a layer input shared by several weights)."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    for g in grads:
+        for t in g.tensors():
+            storage = t.untyped_storage()
+            seen[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
 
 
 def add(parts: Sequence[PerExampleGrad]) -> PerExampleGrad:
