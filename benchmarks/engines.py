@@ -287,6 +287,11 @@ def _opacus(
     return clock
 
 
+def dataset_rows(w: Workload, steps: int, warmup: int) -> int:
+    """N of :func:`train_runner`'s data: every step falls in the first epoch (q = B / N)."""
+    return w.batch * (warmup + steps + 3)
+
+
 def train_runner(
     runner: str, w: Workload, steps: int, warmup: int, clipping: str = "flat", place: Placement = CPU,
     callbacks: Sequence[pl.Callback] = (),
@@ -300,7 +305,7 @@ def train_runner(
     """
     if runner not in RUNNERS:
         raise ValueError(f"Unknown runner {runner!r}; choose one of {RUNNERS}.")
-    loader = DataLoader(w.data(w.batch * (warmup + steps + 3)), batch_size=w.batch, shuffle=True)
+    loader = DataLoader(w.data(dataset_rows(w, steps, warmup)), batch_size=w.batch, shuffle=True)
     torch.manual_seed(0)
     with place.device:
         net = w.build()
