@@ -17,8 +17,9 @@ tensors (built again outside the profiler to count them): what the runner adds, 
 allocates before its first step (the DP buckets, Opacus' wrappers). Steps are reported in two
 groups: the first ``--warmup`` steps (for the DP runners these include the two verified steps
 and the coupling probe's replay) and the steady steps after them. A DP runner's Poisson batch
-varies by about √B rows, so each steady step's peak is also scaled to the nominal batch
-(peak × B / rows); the steady figure is the median of these.
+varies by about √B rows, and its memory with it, so each step's peak is also scaled to the nominal
+batch (peak × B / rows): the first steps' figure is the largest of these, the steady figure their
+median.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import tempfile
 import warnings
@@ -107,12 +109,14 @@ def measure(runner: str, workload: str, steps: int, warmup: int, threads: int) -
         peaks = step_peaks(json.loads(path.read_text()))
     rows = clock.rows[: len(peaks)]
     above = [(p - baseline) / MIB for p in peaks]
-    steady = [a * w.batch / r for a, r in zip(above[warmup:], rows[warmup:]) if r > 0]
+    at_batch = [a * w.batch / r if r > 0 else float("nan") for a, r in zip(above, rows)]
+    steady = [a for a in at_batch[warmup:] if not math.isnan(a)]
     return {
         "parameters_and_data_mib": baseline / MIB,
         "step_peak_mib": above,
         "step_rows": rows,
         "first_steps_peak_mib": max(above[:warmup], default=float("nan")),
+        "first_steps_peak_mib_at_batch": max(at_batch[:warmup], default=float("nan")),
         "steady_peak_mib_at_batch": statistics.median(steady) if steady else float("nan"),
     }
 
@@ -121,19 +125,20 @@ def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     base = results.get("nonprivate")
     if base is None:
         return {}
-    keys = ("first_steps_peak_mib", "steady_peak_mib_at_batch")
+    keys = ("first_steps_peak_mib_at_batch", "steady_peak_mib_at_batch")
     return {r: {k: v[k] / base[k] for k in keys} for r, v in results.items()}
 
 
 def _table(workload: str, results: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float]]) -> str:
     lines = [
         f"{workload}: batch {WORKLOADS[workload].batch}, MiB beyond parameters and data",
-        f"  {'runner':<16}{'first steps':>12}{'x':>7}{'steady at B':>13}{'x':>7}",
+        f"  {'runner':<16}{'first at B':>12}{'x':>7}{'steady at B':>13}{'x':>7}",
     ]
     for runner, r in results.items():
         x = ratios.get(runner, {})
         lines.append(
-            f"  {runner:<16}{r['first_steps_peak_mib']:>12.1f}{x.get('first_steps_peak_mib', float('nan')):>7.2f}"
+            f"  {runner:<16}{r['first_steps_peak_mib_at_batch']:>12.1f}"
+            f"{x.get('first_steps_peak_mib_at_batch', float('nan')):>7.2f}"
             f"{r['steady_peak_mib_at_batch']:>13.1f}{x.get('steady_peak_mib_at_batch', float('nan')):>7.2f}"
         )
     return "\n".join(lines)
