@@ -25,9 +25,9 @@ median.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import logging
-import math
 import statistics
 import tempfile
 import warnings
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _harness import write_report
+from _harness import at_batch, write_report
 from _outputs import default_result
 from engines import RUNNERS, WORKLOADS, Placement, Workload, dataset_rows, train_runner
 
@@ -75,11 +75,12 @@ def step_peaks(trace: dict[str, Any]) -> list[float]:
         raise RuntimeError(
             f"The trace has {len(marks)} step marks and {len(memory)} memory events: nothing to measure."
         )
+    times = [ts for ts, _ in memory]
     peaks = []
     for start, end in zip(marks, marks[1:]):
-        before = [total for ts, total in memory if ts < start]
-        inside = [total for ts, total in memory if start <= ts < end]
-        peaks.append(float(max([*before[-1:], *inside])))  # a step without events holds what was there
+        first, stop = bisect.bisect_left(times, start), bisect.bisect_left(times, end)
+        held = [memory[first - 1][1]] if first else []  # a step without events holds what was there
+        peaks.append(float(max([*held, *(total for _, total in memory[first:stop])])))
     return peaks
 
 
@@ -109,14 +110,14 @@ def measure(runner: str, workload: str, steps: int, warmup: int, threads: int) -
         peaks = step_peaks(json.loads(path.read_text()))
     rows = clock.rows[: len(peaks)]
     above = [(p - baseline) / MIB for p in peaks]
-    at_batch = [a * w.batch / r if r > 0 else float("nan") for a, r in zip(above, rows)]
-    steady = [a for a in at_batch[warmup:] if not math.isnan(a)]
+    first = at_batch(above[:warmup], rows[:warmup], w.batch)
+    steady = at_batch(above[warmup:], rows[warmup:], w.batch)
     return {
         "parameters_and_data_mib": baseline / MIB,
         "step_peak_mib": above,
         "step_rows": rows,
         "first_steps_peak_mib": max(above[:warmup], default=float("nan")),
-        "first_steps_peak_mib_at_batch": max(at_batch[:warmup], default=float("nan")),
+        "first_steps_peak_mib_at_batch": max(first, default=float("nan")),
         "steady_peak_mib_at_batch": statistics.median(steady) if steady else float("nan"),
     }
 
