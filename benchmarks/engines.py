@@ -191,7 +191,8 @@ WORKLOADS = {
     "gpt2": Workload(_gpt2, lambda n, g: torch.randint(0, VOCAB, (n, SEQ), generator=g), 32, language_model=True),
     "vit": Workload(_vit, lambda n, g: torch.randn(n, 3, 32, 32, generator=g), 32),
 }
-RUNNERS = ["nonprivate", *(f"dp_{e}" for e in available_engines()), "opacus_hooks", "opacus_ghost"]
+RUNNERS = ["nonprivate", *(f"dp_{e}" for e in available_engines()), "dp_auto_replay", "opacus_hooks", "opacus_ghost"]
+"""``dp_<engine>``: DPStrategy with that clipping engine; ``dp_auto_replay``: ``auto`` with ``clip_replay=True``."""
 
 
 def per_example_loss(logits: Tensor, batch: list[Tensor], language_model: bool) -> Tensor:
@@ -222,9 +223,11 @@ def _lightning(
 ) -> StepClock:  # fmt: skip
     strategy: Any = "auto"
     if runner.startswith("dp_"):
+        engine = runner[3:].removesuffix("_replay")
         strategy = dplightning.DPStrategy(
-            noise_multiplier=1.0, max_grad_norm=1.0, clipping_engine=runner[3:], clipping=clipping
-        )
+            noise_multiplier=1.0, max_grad_norm=1.0, clipping_engine=engine, clipping=clipping,
+            clip_replay=runner.endswith("_replay"),
+        )  # fmt: skip
     clock = StepClock(steps, sync=place.synchronize)
     trainer = quiet_trainer(
         strategy=strategy, accelerator=place.accelerator, devices=1, precision=place.precision, max_steps=1000,

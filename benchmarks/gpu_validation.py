@@ -115,7 +115,7 @@ SMOKE_ENGINES = {
 }
 # Step time of each runner relative to dp_auto, before it is measured (rough, conservative guesses).
 RUNNER_COST = {"nonprivate": 0.6, "dp_auto": 1.0, "dp_book_keeping": 1.3, "dp_instantiate": 2.5,
-               "opacus_hooks": 3.0, "opacus_ghost": 3.0}  # fmt: skip
+               "dp_auto_replay": 1.4, "opacus_hooks": 3.0, "opacus_ghost": 3.0}  # fmt: skip
 
 
 # ---------------------------------------------------------------- the models

@@ -131,11 +131,17 @@ def make_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
 
 ENGINE = "auto"
 """Clipping engine of the strategies the helpers build; the invariant suites run with each one."""
+REPLAY = False
+"""Whether the strategies the helpers build clip by replaying the backward pass (``clip_replay``) from their
+first step (verification, whose steps hold, off); the single-process invariants run with and without."""
 
 
 def dp(**kwargs: Any) -> dplightning.DPStrategy:
     kwargs.setdefault("noise_multiplier", 0.0)
     kwargs.setdefault("clipping_engine", ENGINE)
+    if REPLAY:
+        kwargs.setdefault("clip_replay", True)
+        kwargs.setdefault("verify_gradients", "never")
     kwargs.setdefault("max_grad_norm", 1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sigma = 0 warns by design
@@ -223,6 +229,8 @@ _DP_ARGS = {
     "poisson_sampling",
     "timeout",
     "clipping_engine",
+    "clip_replay",
+    "verify_gradients",
     "noise_mechanism",
     "bands",
     "blt_buffers",

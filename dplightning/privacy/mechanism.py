@@ -132,17 +132,37 @@ class GradientPrivatizer:
                 that a group can be clipped as soon as its layer's backward is done. The
                 statistics of the other groups are zero; add them up with :func:`merge_stats`.
         """
-        if self._released:
-            for b in self.buckets:
-                b.zero_()
-            self._released = False
         per_example = {p: g if isinstance(g, PerExampleGrad) else Dense(g) for p, g in grads.items()}
         rows = {g.rows for g in per_example.values()}
         if len(rows) > 1:
             raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(rows)}.")
         n = rows.pop() if rows else 0
+        stats, factors = self.clip(self._param_sq_norms(per_example, n), scale, groups)
+        for p, g in per_example.items():
+            self.add_clipped(p, g, factors)
+        return stats
+
+    def clip(
+        self, param_sq: Tensor, scale: float = 1.0, groups: Sequence[int] | None = None
+    ) -> tuple[MicroBatchStats, dict[int, Tensor]]:
+        """The clip factors of one batch from its per-example squared norms (the first half of :meth:`accumulate`).
+
+        Args:
+            param_sq: ``[n, params]`` squared norms in :attr:`params` order, before ``scale``.
+            scale: As in :meth:`accumulate`.
+            groups: As in :meth:`accumulate`.
+
+        Returns:
+            The batch's statistics and, per selected group, the weights (clip factor × finite × scale)
+            that :meth:`add_clipped` applies to each per-example gradient.
+        """
+        if self._released:
+            for b in self.buckets:
+                b.zero_()
+            self._released = False
+        n = param_sq.shape[0]
         selected = list(range(len(self.groups))) if groups is None else list(groups)
-        param_sq = self._param_sq_norms(per_example, n) * scale**2
+        param_sq = param_sq * scale**2
         norms = param_sq.new_zeros(n, len(self.groups))
         for j in selected:
             norms[:, j] = param_sq[:, self._group_columns[j]].sum(1).sqrt()
@@ -150,9 +170,15 @@ class GradientPrivatizer:
         # A partial accumulation's count is left to merge_stats: one device sync per backward pass, not per group.
         nonfinite = int(n - finite.sum().item()) if groups is None else 0
         factors = {j: clip_factors(norms[:, j], self.groups[j].max_norm) * finite * scale for j in selected}
-        for p, g in per_example.items():
-            self.slot(p).add_(g.weighted_sum(factors[self._group_of[p]]))
-        return MicroBatchStats(norms=norms, param_sq_norms=param_sq, nonfinite=nonfinite)
+        return MicroBatchStats(norms=norms, param_sq_norms=param_sq, nonfinite=nonfinite), factors
+
+    def add_clipped(self, p: nn.Parameter, g: PerExampleGrad, factors: Mapping[int, Tensor]) -> None:
+        """Add Σ_i w_i g_i to ``p``'s slot, with w the weights of ``p``'s group from :meth:`clip`."""
+        self.slot(p).add_(g.weighted_sum(factors[self._group_of[p]]))
+
+    def column(self, p: nn.Parameter) -> int:
+        """``p``'s column in the ``[n, params]`` squared-norm tables."""
+        return self._column[p]
 
     def _param_sq_norms(self, grads: Mapping[nn.Parameter, PerExampleGrad], n: int) -> Tensor:
         sq = torch.zeros(n, len(self.params), dtype=torch.float32, device=self.buckets[0].device)

@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -251,6 +252,23 @@ class _DPHooks(Strategy):
         return self._private_training_step(step, lambda: parent_step(*args, **kwargs), args, kwargs)
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        step = self.private_step
+        if step is None or not step.replaying:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # Strategy.backward with the clip replay between the two halves: the first pass keeps the graph
+        # (the precision plugin's post_backward detaches the loss, so the replay must come before it).
+        module = known(self.lightning_module, "the LightningModule")
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **{**kwargs, "retain_graph": True})
+        first = closure_loss
+        step.replay(lambda: first.backward())
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         if self.private_step is not None:
@@ -334,10 +352,25 @@ class _DPHooks(Strategy):
                 "gradient_clip_val clips the already-private (noisy) gradient: harmless post-processing, but it "
                 f"is not per-example clipping. The per-example bound is max_grad_norm={self.dp_config.max_grad_norm}."
             )
+        if self.dp_config.clip_replay:
+            self._check_clip_replay(trainer)
         if is_overridden("on_after_backward", trainer.lightning_module):
             rank_zero_warn(
                 "on_after_backward sees the raw, non-private gradient; do not log or release anything from it. "
                 "Use on_before_optimizer_step to see the private gradient."
+            )
+
+    def _check_clip_replay(self, trainer: pl.Trainer) -> None:
+        if not trainer.lightning_module.automatic_optimization:
+            raise ValueError(
+                "clip_replay=True replays the backward pass that Lightning runs under automatic optimization; under "
+                "manual optimization the backward passes are yours. Leave clip_replay off."
+            )
+        if self.root_device.type != "cpu" and not torch.are_deterministic_algorithms_enabled():
+            rank_zero_warn(
+                "clip_replay=True checks that the replayed backward pass repeats the first bit for bit and refuses a "
+                f"step where it does not; kernels on {self.root_device.type} with atomic adds may not repeat. "
+                "Trainer(deterministic=True) rules that out."
             )
 
     def _setup_fit(self, trainer: pl.Trainer) -> None:

@@ -48,6 +48,11 @@ _DOCS = {
     "matrix its own group, the rest one group); an optimizer's DP plan may set its own groups.",
     "clipping_engine": '``"auto"`` (default: per layer, the ghost norm where it pays, else formed per-example '
     'gradients), ``"book_keeping"`` or ``"instantiate"``. The engine of every layer is printed at setup.',
+    "clip_replay": "Clip the groups that span layers (flat clipping) in two backward passes over the same graph: the "
+    "first takes the per-example norms and frees each layer's output gradients at once, the second, a replay of the "
+    "first, adds the clipped sum. Peak memory near non-private instead of every layer's per-example factors held to "
+    "the end of the backward pass, for one more backward pass (input gradients only). Automatic optimization only; "
+    "the first (verified) steps hold as usual. See docs/clipping_engines.md.",
     "poisson_sampling": "Replace the train loader's sampler by Poisson sampling with q = batch_size x world_size "
     "/ N. ``False`` keeps the loader and reports ε = inf.",
     "secure_mode": "Draw noise and sampling decisions from the OS CSPRNG (slow).",
@@ -90,6 +95,7 @@ class DPConfig:
     accountant: Literal["prv", "rdp", "gdp"] = "prv"
     clipping: str = "flat"
     clipping_engine: str = "auto"
+    clip_replay: bool = False
     poisson_sampling: bool = True
     secure_mode: bool = False
     loss_reduction: Literal["mean", "sum"] = "mean"

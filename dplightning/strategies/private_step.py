@@ -17,7 +17,7 @@ it at four points of every optimizer step, each a named template step:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -44,6 +44,7 @@ from dplightning.strategies.coupling import (
     summarize,
     summary_pays,
 )
+from dplightning.strategies.replay import ClipReplay
 from dplightning.strategies.verification import GradientVerification
 
 
@@ -81,6 +82,7 @@ class PrivateStep:
         self._rows_per_unit = 1
         self._loss_divisor = 1
         self._probe: CouplingProbe | None = None
+        self._replay: ClipReplay | None = None
         self.probing = False
         """Whether ``training_step`` is running on the coupling probe's batch (see strategies/coupling.py)."""
         self.hooks: PerExampleHooks | None = None
@@ -121,7 +123,9 @@ class PrivateStep:
         slot_shapes = {p: t.slot_shape(p.shape) for p, t in self.transforms.items()}
         self.privatizer = GradientPrivatizer(groups, bucket_cap_mb=self.config.bucket_cap_mb, slot_shapes=slot_shapes)
         self._local_groups = _layer_local_groups(self.hooks.layers, groups)
-        self.hooks.on_layer_done = self._on_layer_done if self._local_groups else None
+        self.hooks.on_layer_done = self._on_layer_done
+        local = {j for js in self._local_groups.values() for j in js}
+        self._spanning_groups = [j for j in range(len(groups)) if j not in local]
         self._signature = _trainable_signature(self.optimizer)
         self.verification.restart()
 
@@ -210,6 +214,10 @@ class PrivateStep:
         # Per-layer groups are clipped as soon as their layer's backward is done (their inputs and
         # output gradients are then freed), under automatic optimization outside verification.
         self._early = automatic and not self.verification.active
+        self._replay = None
+        if self.config.clip_replay and self._early and probe is None and self._spanning_groups:
+            self._replay = ClipReplay(self.privatizer, hooks, self._spanning_groups, rows_per_unit, self._scale)
+        hooks.fingerprint = self._replay is not None
         self.restore_weight_grads()
         if not self.verification.active:
             self._suspended = [p for p in self.privatizer.params if p.requires_grad]
@@ -234,6 +242,29 @@ class PrivateStep:
     def pending(self) -> bool:
         """Whether backward passes of the current batch await their release (manual optimization)."""
         return self.accumulation.pending
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the current batch's backward pass is to be replayed (``clip_replay``; see :meth:`replay`)."""
+        return self._replay is not None
+
+    def replay(self, backward: Callable[[], None]) -> None:
+        """Between the first backward pass (graph retained) and :meth:`after_backward`: clip by replaying it.
+
+        Args:
+            backward: Runs the same backward pass again (see strategies/replay.py).
+        """
+        replay, self._replay = known(self._replay, "the clip replay"), None
+        rest = [j for j in range(len(self.groups)) if j not in self._early_done]
+        try:
+            stats = replay.run(backward, rest)
+        except BaseException:  # a partial or mismatched replay: nothing of this step may be released
+            self.privatizer.discard()
+            self._stats.clear()
+            self._early_stats, self._early_done = [], set()
+            raise
+        self._early_stats.append(stats)
+        self._early_done.update(rest)
 
     def after_backward(self) -> None:
         """Take the per-example gradients of one backward pass; drop autograd's raw gradient.
@@ -283,13 +314,15 @@ class PrivateStep:
             p.grad = None
 
     def _on_layer_done(self, layer: nn.Module) -> None:
-        if not self._early or layer not in self._local_groups:
+        if not self._early:
             return
         hooks = known(self.hooks, "the per-example hooks")
-        for j in self._local_groups[layer]:
+        for j in self._local_groups.get(layer, []):
             grads = hooks.take(self.privatizer.groups[j].params, self._rows_per_unit)
             self._early_stats.append(self.privatizer.accumulate(grads, scale=self._scale, groups=[j]))
             self._early_done.add(j)
+        if self._replay is not None:
+            self._replay.layer_done(layer)
 
     def _clip(self, grads: dict[nn.Parameter, PerExampleGrad], scale: float) -> None:
         rest = [j for j in range(len(self.groups)) if j not in self._early_done]

@@ -48,13 +48,17 @@ def _one_step(module: pl.LightningModule, data: DataLoader, strategy: object, **
 
 
 def assert_dp_step_is_the_autograd_step(module: pl.LightningModule, data: DataLoader, **strategy_kwargs) -> None:
-    plain = copy.deepcopy(module)
+    """Also with ``clip_replay`` (verification off, so that the one step is replayed) unless the case sets it."""
+    plain, replayed = copy.deepcopy(module), copy.deepcopy(module)
     before = params_of(module)
     private = _one_step(module, data, dp(max_grad_norm=NO_CLIP, **strategy_kwargs))
     expected = _one_step(plain, data, "auto")
+    replay_kwargs = {"clip_replay": True, "verify_gradients": "never", **strategy_kwargs}
+    private_replayed = _one_step(replayed, data, dp(max_grad_norm=NO_CLIP, **replay_kwargs))
     moved = False
     for name in expected:
         torch.testing.assert_close(private[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(private_replayed[name], expected[name], rtol=1e-4, atol=1e-6, msg=f"{name} replay")
         moved |= not torch.equal(expected[name], before[name])
     assert moved  # the reference step really trained something
 

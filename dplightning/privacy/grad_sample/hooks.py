@@ -88,6 +88,13 @@ def _hookable(output: Tensor) -> Tensor | None:
     return None
 
 
+def _row_sums(grad: Tensor) -> Tensor:
+    """Σ over each row of ``grad`` (its first dimension), fp64."""
+    if grad.dim() < 2:
+        return grad.double().reshape(-1)
+    return grad.sum(dim=tuple(range(1, grad.dim())), dtype=torch.float64)
+
+
 _FAST_PATH_LAYERS = (nn.TransformerEncoder,)
 """Layers whose ``eval()`` fast path, taken when nothing requires gradient, feeds their sub-layers nested
 tensors (a padded batch packed without its padding). Transformer layers and attention skip their own
@@ -134,6 +141,12 @@ class PerExampleHooks:
         self._calls: list[LayerCall] = []  # captured since the last pop, for forget_inputs
         self.on_layer_done: Callable[[nn.Module], None] | None = None
         """Called when the last captured call of a layer got its gradient (its parameters may be taken)."""
+        self.fingerprint = False
+        """Fingerprint every call's output gradients, for a replay of this backward pass (see :meth:`replay`)."""
+        self.sink: Callable[[nn.Parameter, PerExampleGrad], None] | None = None
+        self._fingerprinted = 0
+        self._replayed = 0
+        self._replay_differs: Tensor | None = None
         self._handles: list[RemovableHandle] = []
         self.layers = self._layers(module)
         """The hooked layers, each with its privatized parameters."""
@@ -280,10 +293,12 @@ class PerExampleHooks:
             self.capturing = capturing
 
     def _on_output_grads(self, layer: nn.Module, call: LayerCall, grads: list[Tensor | None]) -> None:
+        grads = [None if g is None else g.detach() for g in grads]
+        if self.fingerprint or self.sink is not None:
+            self._check_replay(call, grads)
         if call.fold > 1:
             call = call.folded()
             grads = [None if g is None else g.reshape(call.rows, -1, *g.shape[1:]) for g in grads]
-        grads = [None if g is None else g.detach() for g in grads]
         with self._engine_view(layer):
             per_example = self.engine.grads(layer, call, grads)
         rows = self.batch_rows if self.batch_rows is not None else call.rows
@@ -294,10 +309,66 @@ class PerExampleHooks:
                 g = Dense(g.value[:rows])
             if p in self.transforms:
                 g = self.engine.settle(self.transforms[p].apply(g))
-            self._grads.setdefault(p, []).append(g)
+            if self.sink is not None:
+                self.sink(p, g)
+            else:
+                self._grads.setdefault(p, []).append(g)
+        if self.sink is not None:
+            return
         self._outstanding[layer] -= 1
         if self._outstanding[layer] == 0 and self.on_layer_done is not None:
             self.on_layer_done(layer)
+
+    def _check_replay(self, call: LayerCall, grads: list[Tensor | None]) -> None:
+        # Σ over each example's output gradient, bit for bit: a replay whose backward differs from the
+        # first pass' (a nondeterministic kernel) would weight gradients by factors taken from others.
+        prints = [_row_sums(g) for g in grads if g is not None]
+        if self.sink is None:
+            call.fingerprint = prints
+            self._fingerprinted += 1
+            return
+        self._replayed += 1
+        first = call.fingerprint
+        same = first is not None and len(first) == len(prints)
+        if same and first is not None:
+            for a, b in zip(first, prints):
+                if a.shape != b.shape:
+                    same = False
+                    break
+                differs = (a.view(torch.int64) != b.view(torch.int64)).any()  # bitwise, NaN included
+                self._replay_differs = differs if self._replay_differs is None else self._replay_differs | differs
+        if not same:
+            self._replay_differs = torch.ones((), dtype=torch.bool)
+        call.fingerprint = None
+
+    @contextmanager
+    def replay(self, sink: Callable[[nn.Parameter, PerExampleGrad], None]) -> Iterator[None]:
+        """Hand every call's per-example gradients to ``sink`` during a replayed backward pass.
+
+        The first pass must have run with :attr:`fingerprint` on. Nothing is kept and no layer is
+        marked done; on exit the replay is checked to have met every call of the first pass with
+        the same output gradients.
+
+        Raises:
+            RuntimeError: If the replayed backward pass differed from the first.
+        """
+        self.sink, self._replayed, self._replay_differs = sink, 0, None
+        try:
+            yield
+        finally:
+            self.sink, self.fingerprint = None, False
+        fingerprinted, self._fingerprinted = self._fingerprinted, 0
+        differs = self._replay_differs is not None and bool(self._replay_differs)
+        if differs or self._replayed != fingerprinted:
+            raise RuntimeError(
+                f"The replayed backward pass (clip_replay=True) differed from the first: {self._replayed} layer calls "
+                f"got a gradient against {fingerprinted}"
+                + (", and some output gradients changed" if differs else "")
+                + ". The replay's clipped sum would be weighted by another pass' norms; the step is refused. The "
+                "backward pass must be deterministic (on a GPU: torch.use_deterministic_algorithms(True), or "
+                "Trainer(deterministic=True)) and LightningModule.backward must pass its arguments on to "
+                "loss.backward; or leave clip_replay off."
+            )
 
     def forget_inputs(self) -> None:
         """Drop the inputs of every call captured since the last :meth:`pop` (their gradients are taken).
@@ -326,6 +397,7 @@ class PerExampleHooks:
         self._grads.clear()
         self._calls.clear()
         self._outstanding.clear()  # calls whose output got no gradient (cut from the graph) are forgotten
+        self.fingerprint, self._fingerprinted = False, 0
         return grads
 
     def close(self) -> None:

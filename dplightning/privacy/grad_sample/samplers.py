@@ -51,6 +51,8 @@ class LayerCall:
             (``[n·m, ...]`` from ``[n, m, ...]``); 1 otherwise.
         examples: The number of examples when it is not the first input's leading
             dimension (an ``nn.EmbeddingBag`` given 1-D ids and offsets: its bags).
+        fingerprint: Per-example sums of the output gradients of the call's first backward
+            pass, when a replay of that pass is to be checked against it.
     """
 
     args: tuple[Any, ...]
@@ -59,6 +61,7 @@ class LayerCall:
     autocast: tuple[str, torch.dtype] | None = None
     fold: int = 1
     examples: int | None = None
+    fingerprint: list[Tensor] | None = None
 
     def folded(self) -> LayerCall:
         """The call with every ``[n·m, ...]`` input viewed as ``[n, m, ...]``."""
