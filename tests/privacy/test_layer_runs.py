@@ -63,12 +63,13 @@ def _data(name: str) -> TensorDataset:
     return TensorDataset(torch.randn(N, *NETS[name][1], generator=g), torch.randint(0, 3, (N,), generator=g))
 
 
+@pytest.mark.parametrize("replay", [False, True], ids=["one-pass", "clip_replay"])
 @pytest.mark.parametrize("engine", available_engines())
 @pytest.mark.parametrize("name", list(NETS))
-def test_an_inplace_op_after_the_first_layer_trains_as_the_clipped_mean(name: str, engine: str) -> None:
+def test_an_inplace_op_after_the_first_layer_trains_as_the_clipped_mean(name: str, engine: str, replay: bool) -> None:
     module = TinyModule(net=_net(name))  # lr = 1: each update is the released gradient
     start = params_of(module)
-    trainer = make_trainer(dp(max_grad_norm=C, clipping_engine=engine), max_steps=STEPS)
+    trainer = make_trainer(dp(max_grad_norm=C, clipping_engine=engine, clip_replay=replay), max_steps=STEPS)
     trainer.fit(module, loader(_data(name), BATCH))
     assert trainer.strategy.steps == STEPS and len(module.batches) == STEPS
 
