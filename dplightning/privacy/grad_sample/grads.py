@@ -27,8 +27,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dplightning._state import known
-
 
 def _fp32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float64 or not t.is_floating_point() else t.float()
@@ -167,33 +165,20 @@ class Factored(PerExampleGrad):
 
     def weighted_sum(self, weights: Tensor) -> Tensor:
         w = weights.float().view(-1, 1, 1)
-        keep = weights != 0
-        drop = None if bool(keep.all()) else ~keep.view(-1, 1, 1)  # 0 * inf would be nan: drop those rows outright
-        scale_left = not self.indexed and self.left.shape[2] < self.right.shape[2]  # reweight the smaller factor
-        scaled = self.left if scale_left else self.right
-        out: Tensor | None = None
-        for rows in _row_chunks(self.rows, 4 * scaled[0].numel() if self.rows else 0):
-            out = self._add_weighted(out, rows, w[rows], None if drop is None else drop[rows], scale_left)
-        return known(out, "the clipped sum").view(self.shape)
-
-    def _add_weighted(
-        self, out: Tensor | None, rows: slice, w: Tensor, drop: Tensor | None, scale_left: bool
-    ) -> Tensor:
-        """``out`` + Σ_{i ∈ rows} w_i L_iᵀ R_i (``out`` ``None``: a new ``[a, b]`` tensor)."""
-        left, right = self.left[rows], _fp32(self.right[rows])
+        left, right = self.left, _fp32(self.right)
+        scale_left = not self.indexed and left.shape[2] < right.shape[2]  # reweight the smaller factor
         left = _fp32(left) * w if scale_left else (left if self.indexed else _fp32(left))
         right = right if scale_left else right * w
-        if drop is not None:
-            right = torch.where(drop, torch.zeros_like(right), right)
+        keep = weights != 0
+        if not bool(keep.all()):  # 0 * inf would be nan: drop those rows outright
+            right = torch.where(keep.view(-1, 1, 1), right, torch.zeros_like(right))
             if not self.indexed:
-                left = torch.where(drop, torch.zeros_like(left), left)
+                left = torch.where(keep.view(-1, 1, 1), left, torch.zeros_like(left))
         flat_right = right.flatten(0, 1)
         if self.indexed:
-            if out is None:
-                out = flat_right.new_zeros(self.width, flat_right.shape[1])
-            return out.index_add_(0, left.flatten(), flat_right)
-        flat_left = left.flatten(0, 1).transpose(0, 1)
-        return flat_left @ flat_right if out is None else out.addmm_(flat_left, flat_right)
+            out = flat_right.new_zeros(self.width, flat_right.shape[1])
+            return out.index_add_(0, self.left.flatten(), flat_right).view(self.shape)
+        return (left.flatten(0, 1).transpose(0, 1) @ flat_right).view(self.shape)
 
     def instantiate(self) -> Tensor:
         right = _fp32(self.right)
@@ -256,21 +241,6 @@ class Summed(PerExampleGrad):
 
     def tensors(self) -> list[Tensor]:
         return [t for p in self.parts for t in p.tensors()]
-
-
-_CHUNK_BYTES = 2**18
-_MAX_CHUNKS = 16
-
-
-def _row_chunks(rows: int, bytes_per_row: int) -> list[slice]:
-    """Slices of ``rows`` whose reweighted copy stays near 256 KiB, in at most 16 parts (at least one, maybe empty).
-
-    The clipped sum of a factored gradient reweights one factor; in parts, the copy is a part's, not the
-    whole factor's (with ``clip_replay`` it would otherwise be the largest tensor beyond the activations).
-    """
-    parts = max(1, min(_MAX_CHUNKS, rows, -(-rows * bytes_per_row // _CHUNK_BYTES)))
-    size = -(-rows // parts) if rows else 0
-    return [slice(i, i + size) for i in range(0, rows, size)] if rows else [slice(0, 0)]
 
 
 def held_bytes(grads: Iterable[PerExampleGrad]) -> int:
