@@ -137,7 +137,7 @@ class GradientPrivatizer:
         if len(rows) > 1:
             raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(rows)}.")
         n = rows.pop() if rows else 0
-        stats, factors = self.clip(self._param_sq_norms(per_example, n), scale, groups)
+        stats, factors = self.clip(self.sq_norm_table(per_example, n), scale, groups)
         for p, g in per_example.items():
             self.add_clipped(p, g, factors)
         return stats
@@ -180,7 +180,8 @@ class GradientPrivatizer:
         """``p``'s column in the ``[n, params]`` squared-norm tables."""
         return self._column[p]
 
-    def _param_sq_norms(self, grads: Mapping[nn.Parameter, PerExampleGrad], n: int) -> Tensor:
+    def sq_norm_table(self, grads: Mapping[nn.Parameter, PerExampleGrad], n: int) -> Tensor:
+        """``[n, params]`` per-example squared norms of ``grads`` (missing parameters: zero), for :meth:`clip`."""
         sq = torch.zeros(n, len(self.params), dtype=torch.float32, device=self.buckets[0].device)
         for p, g in grads.items():
             sq[:, self._column[p]] = g.sq_norms()

@@ -122,10 +122,17 @@ class PrivateStep:
         self.hooks.capturing = False
         slot_shapes = {p: t.slot_shape(p.shape) for p, t in self.transforms.items()}
         self.privatizer = GradientPrivatizer(groups, bucket_cap_mb=self.config.bucket_cap_mb, slot_shapes=slot_shapes)
-        self._local_groups = _layer_local_groups(self.hooks.layers, groups)
+        owners = _owners(self.hooks.layers)
+        self._local_groups = _layer_local_groups(owners, groups)
         self.hooks.on_layer_done = self._on_layer_done
         local = {j for js in self._local_groups.values() for j in js}
-        self._spanning_groups = [j for j in range(len(groups)) if j not in local]
+        spanning = {p for j, g in enumerate(groups) if j not in local for p in g.params}
+        # What clip_replay takes norms of when a layer is done: its own parameters of the spanning groups.
+        self._streamable = {
+            layer: [p for p in params if p in spanning and owners[p] == [layer]]
+            for layer, params in self.hooks.layers.items()
+        }
+        self._has_spanning = bool(spanning)
         self._signature = _trainable_signature(self.optimizer)
         self.verification.restart()
 
@@ -215,8 +222,8 @@ class PrivateStep:
         # output gradients are then freed), under automatic optimization outside verification.
         self._early = automatic and not self.verification.active
         self._replay = None
-        if self.config.clip_replay and self._early and probe is None and self._spanning_groups:
-            self._replay = ClipReplay(self.privatizer, hooks, self._spanning_groups, rows_per_unit, self._scale)
+        if self.config.clip_replay and self._early and probe is None and self._has_spanning:
+            self._replay = ClipReplay(self.privatizer, hooks, self._streamable, rows_per_unit, self._scale)
         hooks.fingerprint = self._replay is not None
         self.restore_weight_grads()
         if not self.verification.active:
@@ -431,14 +438,19 @@ def _privatized_parameters(module: nn.Module, optimizer: Optimizer) -> list[tupl
     return [(names[p], p) for p in dict.fromkeys(in_optimizer)]
 
 
-def _layer_local_groups(
-    layers: dict[nn.Module, list[nn.Parameter]], groups: list[ClipGroup]
-) -> dict[nn.Module, list[int]]:
-    """Groups whose parameters all belong to one layer, and to no other: clippable when that layer is done."""
+def _owners(layers: dict[nn.Module, list[nn.Parameter]]) -> dict[nn.Parameter, list[nn.Module]]:
+    """The hooked layers of each privatized parameter (several: a weight shared by layers)."""
     owners: dict[nn.Parameter, list[nn.Module]] = {}
     for layer, params in layers.items():
         for p in params:
             owners.setdefault(p, []).append(layer)
+    return owners
+
+
+def _layer_local_groups(
+    owners: dict[nn.Parameter, list[nn.Module]], groups: list[ClipGroup]
+) -> dict[nn.Module, list[int]]:
+    """Groups whose parameters all belong to one layer, and to no other: clippable when that layer is done."""
     local: dict[nn.Module, list[int]] = {}
     for j, group in enumerate(groups):
         layer_sets = {tuple(owners.get(p, [])) for p in group.params}

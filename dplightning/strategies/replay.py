@@ -17,9 +17,8 @@ never reached) is held and clipped as in one pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-import torch
 from torch import Tensor, nn
 
 from dplightning.privacy.grad_sample import PerExampleGrad, PerExampleHooks
@@ -32,7 +31,8 @@ class ClipReplay:
     Args:
         privatizer: Receives the clipped sums.
         hooks: The per-example hooks (their first pass must fingerprint the output gradients).
-        groups: Indices of the clip groups to clip this way (those not clipped per layer).
+        streamed: Per layer, its parameters whose norms are taken when it is done (owned by that layer
+            alone, in a clip group this replay clips).
         rows_per_unit: Consecutive rows that form one privacy unit.
         scale: From the captured gradients to each unit's own gradient (see ``GradientPrivatizer.accumulate``).
     """
@@ -41,21 +41,12 @@ class ClipReplay:
         self,
         privatizer: GradientPrivatizer,
         hooks: PerExampleHooks,
-        groups: Sequence[int],
+        streamed: Mapping[nn.Module, Sequence[nn.Parameter]],
         rows_per_unit: int,
         scale: float,
     ) -> None:
-        self._privatizer, self._hooks = privatizer, hooks
+        self._privatizer, self._hooks, self._streamed_params = privatizer, hooks, streamed
         self._k, self._scale = rows_per_unit, scale
-        owners: dict[nn.Parameter, int] = {}
-        for params in hooks.layers.values():
-            for p in params:
-                owners[p] = owners.get(p, 0) + 1
-        chosen = set(groups)
-        self._streamed_params = {
-            layer: [p for p in params if owners[p] == 1 and privatizer.group_of(p) in chosen]
-            for layer, params in hooks.layers.items()
-        }
         self._sq: dict[nn.Parameter, Tensor] = {}
 
     def layer_done(self, layer: nn.Module) -> None:
@@ -82,11 +73,9 @@ class ClipReplay:
         rows = {v.shape[0] for v in self._sq.values()} | {g.rows for g in held.values()}
         if len(rows) > 1:
             raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(rows)}.")
-        param_sq = torch.zeros(max(rows, default=0), len(privatizer.params), device=privatizer.buckets[0].device)
+        param_sq = privatizer.sq_norm_table(held, max(rows, default=0))
         for p, sq in self._sq.items():
             param_sq[:, privatizer.column(p)] = sq
-        for p, g in held.items():
-            param_sq[:, privatizer.column(p)] = g.sq_norms()
         stats, factors = privatizer.clip(param_sq, self._scale, groups)
         for p, g in held.items():
             privatizer.add_clipped(p, g, factors)

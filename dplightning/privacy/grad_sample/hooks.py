@@ -328,18 +328,13 @@ class PerExampleHooks:
             self._fingerprinted += 1
             return
         self._replayed += 1
-        first = call.fingerprint
-        same = first is not None and len(first) == len(prints)
-        if same and first is not None:
-            for a, b in zip(first, prints):
-                if a.shape != b.shape:
-                    same = False
-                    break
-                differs = (a.view(torch.int64) != b.view(torch.int64)).any()  # bitwise, NaN included
-                self._replay_differs = differs if self._replay_differs is None else self._replay_differs | differs
-        if not same:
-            self._replay_differs = torch.ones((), dtype=torch.bool)
-        call.fingerprint = None
+        first, call.fingerprint = call.fingerprint, None
+        if first is None or [a.shape for a in first] != [b.shape for b in prints]:
+            differs = torch.ones((), dtype=torch.bool)
+        else:  # bitwise, NaN included
+            differs = torch.stack([(a.view(torch.int64) != b.view(torch.int64)).any() for a, b in zip(first, prints)])
+            differs = differs.any()
+        self._replay_differs = differs if self._replay_differs is None else self._replay_differs | differs
 
     @contextmanager
     def replay(self, sink: Callable[[nn.Parameter, PerExampleGrad], None]) -> Iterator[None]:
