@@ -57,7 +57,15 @@ def test_smoke_run_measures_every_row_and_writes_the_records(gv: ModuleType, tmp
     assert {f"calibration/{m}" for m in models} | {"invariants", "planner/gpt2", "planner/roberta"} <= set(rows)
     assert set(report["calibration"]) == models
     engines = [r["result"] for n, r in rows.items() if n.startswith("engines/")]
-    runners = {"nonprivate", "dp_auto", "dp_book_keeping", "dp_instantiate", "dp_auto_replay", "opacus_hooks", "opacus_ghost"}
+    runners = {
+        "nonprivate",
+        "dp_auto",
+        "dp_book_keeping",
+        "dp_instantiate",
+        "dp_auto_replay",
+        "opacus_hooks",
+        "opacus_ghost",
+    }
     assert {e["runner"] for e in engines} == runners  # every runner measured at least once ...
     assert {e["model"] for e in engines} == models  # ... and every model kind
     for e in engines:
