@@ -9,7 +9,8 @@ built from a ``config`` mapping, full fine-tuning or LoRA, under ``dplightning.D
 token batches of exactly ``max_length`` tokens, with ``poisson_sampling=False`` so that every
 batch has exactly ``batch_size`` rows: the plan is then compared at the shape it assumes
 (no Poisson margin). Three steps run: the first two verify gradients (autograd's ``p.grad``
-is kept), the third is a steady step.
+is kept), the third is a steady step; the ``*_steady`` and ``*_replay`` cases verify none, so
+all three are steady (``*_replay``: ``clip_replay=True``).
 
 **How the peak is measured.** CPU tensors have no allocator statistics, and peak RSS mixes in
 the interpreter, libraries and the allocator's retention. Each case runs in a fresh process
@@ -57,8 +58,9 @@ def case_config(
     lora: dict[str, Any] | None,
     precision: str = "32-true",
     optimizer: dict[str, Any] | None = None,
+    **strategy: Any,
 ) -> dict[str, Any]:
-    """A fit config mapping for one case (batch 16 x 64 tokens)."""
+    """A fit config mapping for one case (batch 16 x 64 tokens); ``strategy``: more DPStrategy arguments."""
     init: dict[str, Any] = {"config": model}
     if lora is not None:
         init["lora"] = lora
@@ -70,7 +72,7 @@ def case_config(
             "precision": precision,
             "strategy": {
                 "class_path": "dplightning.DPStrategy",
-                "init_args": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "poisson_sampling": False},
+                "init_args": {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "poisson_sampling": False, **strategy},
             },
         },
         "model": {"class_path": "dplightning.tasks.DPCausalLM", "init_args": init},
@@ -84,6 +86,10 @@ CASES = {
     "opt_lora": case_config(_OPT, _LORA),
     "gpt2_full_bf16": case_config(_GPT2, None, "bf16-mixed"),
     "opt_dp_grape": case_config(_OPT, None, optimizer={"class_path": "dplightning.optim.DPGrape", "init_args": {}}),
+    # Steady steps only (no verification), in one backward pass and in two (clip_replay).
+    "gpt2_steady": case_config(_GPT2, None, verify_gradients="never"),
+    "gpt2_replay": case_config(_GPT2, None, verify_gradients="never", clip_replay=True),
+    "opt_replay": case_config(_OPT, None, verify_gradients="never", clip_replay=True),
 }
 
 

@@ -427,3 +427,32 @@ def test_an_unknown_engine_is_refused(tmp_path: Path, capsys: pytest.CaptureFixt
     config["trainer"]["strategy"]["init_args"]["clipping_engine"] = "ghost"
     assert main(["--config", write(tmp_path, "typo.yaml", config)]) == 2
     assert "Unknown clipping_engine 'ghost'" in capsys.readouterr().err
+
+
+def _strategy(config: dict[str, Any], **args: Any) -> dict[str, Any]:
+    config["trainer"]["strategy"]["init_args"].update(args)
+    return config
+
+
+def test_clip_replay_plans_the_retained_graph_and_one_layers_factors_beside_the_shared_weight() -> None:
+    steady = dict(verify_gradients="never", clipping_engine="book_keeping")
+    one_pass = plan(_strategy(fit_config(), **steady))
+    replay = plan(_strategy(fit_config(), clip_replay=True, **steady))
+    deltas = "output gradients kept (Δ)"
+    # One pass keeps every layer's Δ to the clip point; the replay only the tied head's and one other layer's.
+    head = replay.physical_batch * replay.tokens * TINY_OPT["vocab_size"] * 4
+    assert head < component(replay, deltas) < component(one_pass, deltas) - head // 2
+    # The first pass keeps the whole graph (every activation and the loss' log-softmax) for the second.
+    assert component(replay, "activations kept for the replay") == component(replay, "activations") + head
+    assert all(c.name != "layer inputs held by the hooks (A)" for c in replay.components)
+    assert any("clip_replay" in n for n in replay.notes)
+
+
+@pytest.mark.parametrize(
+    "args", [{}, {"clipping": "per_layer", "verify_gradients": "never"}], ids=["verified", "per_layer"]
+)
+def test_clip_replay_changes_no_plan_where_it_does_not_replay(args: dict[str, Any]) -> None:
+    """Verified steps hold as in one pass (and are the peak); layer-local groups are never replayed."""
+    without = plan(_strategy(fit_config(), **args))
+    with_replay = plan(_strategy(fit_config(), clip_replay=True, **args))
+    assert with_replay.components == without.components

@@ -143,10 +143,16 @@ PER_EXAMPLE_STATE = ("layer inputs held by the hooks (A)", "output gradients kep
 """The backward phase's lines that make up the per-example state at the clip point."""
 
 
+def replays(s: Settings) -> bool:
+    """Whether the planned (peak) steps clip in two backward passes: ``clip_replay`` outside verification, flat."""
+    return s.clip_replay and s.clipping == "flat" and s.verify == "never"
+
+
 def _backward(
     s: Settings,
     layers: list[Layer],
     held: int,
+    retained: int,
     rows: int,
     trainable: int,
     projected: Mapping[str, Projected] | None = None,
@@ -154,13 +160,22 @@ def _backward(
     t, prec = s.max_length, s.precision
     kept, formed = engine_store(layers, prec, s.engine, rows, t, projected)
     early = s.clipping in ("per_layer", "per_matrix") and s.verify == "never"
-    if early:  # each layer's Δ and g_i go into the buckets when its backward is done
-        per = [engine_store([x], prec, s.engine, rows, t, projected) for x in layers]
-        kept, formed = max((k for k, _ in per), default=0), max((f for _, f in per), default=0)
+    replay = replays(s)
+    if early or replay:  # each layer's Δ and g_i are done with when its backward is done
+        # Under the replay a shared weight's calls are held as in one pass (PrivateStep's streamable table).
+        shared = [x for x in layers if replay and x.calls > 1]
+        kept, formed = engine_store(shared, prec, s.engine, rows, t, projected)
+        per = [engine_store([x], prec, s.engine, rows, t, projected) for x in layers if x not in shared]
+        kept += max((k for k, _ in per), default=0)
+        formed += max((f for _, f in per), default=0)
     inputs, deltas, formed_name = PER_EXAMPLE_STATE
+    if replay:  # the first pass keeps every saved tensor for the second (retain_graph)
+        alive = Component("activations kept for the replay", retained, "backward", "clip_replay: graph retained")
+    else:
+        alive = Component(inputs, held, "backward", "until the clipped sum")
     out = [
-        Component(inputs, held, "backward", "until the clipped sum"),
-        Component(deltas, kept, "backward", f"book-keeping{', one layer' if early else ''}"),
+        alive,
+        Component(deltas, kept, "backward", f"book-keeping{', one layer' if early or replay else ''}"),
         Component(formed_name, formed, "backward", "biases, norms, instantiated weights"),
         Component(
             "clipping temporaries (fp32)", clipping_transient(layers, prec, s.engine, rows, t, projected), "backward"
@@ -253,10 +268,11 @@ def assemble(sv: Survey, sigmas: float = DEFAULT_SIGMAS, accumulate: int | None 
     # A formed slot frees its layer's input after that layer's backward, not before: the end
     # of the forward still has it, the end of the backward does not.
     _, held = activation_bytes(sv.dims, s.precision, sv.roles - formed_roles(sv, s), rows, s.max_length, head)
+    retained = alive + 4 * rows * s.max_length * sv.dims.vocab  # and the loss' saved log-softmax (fp32)
     components = [
         *_static(s, sv.parameters, sv.trainable, sv.state, sv.slots),
         *_forward(s, sv.dims, sv.matmul, rows, alive),
-        *_backward(s, sv.layers, held, rows, sv.trainable, sv.projected),
+        *_backward(s, sv.layers, held, retained, rows, sv.trainable, sv.projected),
         *_optimizer(s, sv.trainable, sv.largest, states, sv.slots),
     ]
     if s.verify != "never":
@@ -316,6 +332,10 @@ def _notes(sv: Survey, s: Settings) -> list[str]:
         notes.append("poisson_sampling is off: fixed batches, no margin")
     if s.verify != "never":
         notes.append("verification steps (the first two) keep autograd's p.grad and clip after the backward")
+        if s.clip_replay:
+            notes.append("clip_replay: the steady steps replay the backward pass; the plan is the verified steps'")
+    elif replays(s):
+        notes.append("clip_replay: the whole graph is kept for the second backward pass; a shared weight is held")
     if s.world_size > 1:
         notes.append(f"{s.world_size} processes: batch_size is per process; the plan is per GPU (weights replicated)")
     return notes

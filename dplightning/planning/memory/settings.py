@@ -113,6 +113,8 @@ class Settings:
     """Secret fp32 buffers of the noised size a correlated noise mechanism keeps (b - 1 banded, m BLT)."""
     max_grad_norm: float = 1.0
     """C, which an optimizer's DP plan is asked with."""
+    clip_replay: bool = False
+    """Flat clipping in two backward passes over a retained graph (``DPConfig.clip_replay``)."""
 
 
 def dp_defaults() -> dict[str, Any]:
@@ -162,6 +164,7 @@ def settings_of(config: Mapping[str, Any]) -> Settings:
         world_size=int(trainer.get("num_nodes", 1) or 1) * (devices if isinstance(devices, int) else 1),
         noise_buffers=_noise_buffers(strategy),
         max_grad_norm=float(strategy["max_grad_norm"]),
+        clip_replay=bool(strategy["clip_replay"]),
     )
 
 
