@@ -74,6 +74,7 @@ class StepClock(pl.Callback):
         self.steps = steps
         self.sync = sync
         self.starts: list[float] = []
+        self.cpu: list[float] = []  # the process' CPU seconds at each start (all its threads)
         self.rows: list[int] = []
 
     def tick(self, rows: int) -> bool:
@@ -81,6 +82,7 @@ class StepClock(pl.Callback):
         if self.sync is not None:
             self.sync()
         self.starts.append(time.perf_counter())
+        self.cpu.append(time.process_time())
         self.rows.append(rows)
         return len(self.starts) > self.steps
 
@@ -91,6 +93,14 @@ class StepClock(pl.Callback):
     def step_ms(self, warmup: int) -> list[float]:
         """Milliseconds per timed step, the first ``warmup`` gaps dropped."""
         return [1e3 * (b - a) for a, b in pairwise(self.starts)][warmup:]
+
+    def step_cpu_ms(self, warmup: int) -> list[float]:
+        """CPU milliseconds of this process per timed step (all threads), the first ``warmup`` dropped.
+
+        With one thread this is the step's compute without the time the VM gave to others (steal,
+        other processes), which wall-clock gaps include; with more, idle workers' spinning counts.
+        """
+        return [1e3 * (b - a) for a, b in pairwise(self.cpu)][warmup:]
 
 
 def usage() -> tuple[float, float, float]:
@@ -109,6 +119,7 @@ def measured(train: Callable[[], tuple[StepClock, int]]) -> dict[str, Any]:
     foreign = max(busy1 - busy0 - (own1 - own0), 0.0) / (wall * (os.cpu_count() or 1))
     return {
         "step_ms": clock.step_ms(warmup),
+        "step_cpu_ms": clock.step_cpu_ms(warmup),
         "step_rows": clock.rows[warmup:-1],  # the rows of each timed step, aligned with step_ms
         "mean_batch_rows": statistics.fmean(clock.rows[warmup:-1]),
         "peak_rss_mib": rss1,
@@ -142,16 +153,19 @@ def summarise(runs: list[dict[str, Any]], expected_rows: int | None = None) -> d
     """Pooled statistics of several repeats of one runner.
 
     With ``expected_rows`` (the nominal batch B), also ``median_ms_at_batch``: the median over
-    the steps of step time × B / the step's rows. A Poisson batch of expected size B varies by
-    about √B rows from step to step, so with a few timed steps the raw median of a DP runner
-    moves with its draws of the batch size (and a non-private runner always has B); the scaled
-    median compares runners at the same rows, assuming a step's time is proportional to them.
+    the steps of step time × B / the step's rows (``median_cpu_ms_at_batch``: of CPU time). A
+    Poisson batch of expected size B varies by about √B rows from step to step, so with a few
+    timed steps the raw median of a DP runner moves with its draws of the batch size (and a
+    non-private runner always has B); the scaled median compares runners at the same rows,
+    assuming a step's time is proportional to them.
     """
     steps = [t for run in runs for t in run["step_ms"]]
     scaled = {}
     if expected_rows is not None:
-        per_step = [t for run in runs for t in at_batch(run["step_ms"], run["step_rows"], expected_rows)]
-        scaled = {"median_ms_at_batch": statistics.median(per_step) if per_step else math.nan}
+        for clock, key in (("step_ms", "median_ms_at_batch"), ("step_cpu_ms", "median_cpu_ms_at_batch")):
+            timed = [run for run in runs if clock in run]
+            per_step = [t for run in timed for t in at_batch(run[clock], run["step_rows"], expected_rows)]
+            scaled[key] = statistics.median(per_step) if per_step else math.nan
     return {
         "median_ms": statistics.median(steps), "mean_ms": statistics.fmean(steps),
         "stdev_ms": statistics.stdev(steps) if len(steps) > 1 else 0.0,

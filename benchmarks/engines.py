@@ -25,7 +25,10 @@ each clipping engine) and ``opacus_hooks`` / ``opacus_ghost`` (Opacus' ``make_pr
 DP runners use σ = 1, C = 1, flat clipping and Poisson sampling with q = B / N. Every
 measurement runs in a fresh process; see ``_harness.py`` for how time and memory are taken.
 Time ratios use each runner's median step time scaled to the nominal batch B (step time × B /
-the step's rows), since Poisson batches vary by about √B rows.
+the step's rows), since Poisson batches vary by about √B rows; the ``cpu/*`` ratios use the
+process' CPU time per step instead of wall-clock gaps (with ``--threads 1`` the step's own work,
+without what a shared VM's other tenants took: the wall-clock ratios of one commit moved by
+±40 % between runs on a busy day, the CPU-time ratios are the steadier measure there).
 
 ``train_runner`` is what ``gpu_validation.py`` reuses on a GPU: the same runners with a
 :class:`Placement` (accelerator and precision) other than the CPU tables' fp32.
@@ -328,12 +331,17 @@ def measure(
     return measured(lambda: (train_runner(runner, w, steps, warmup, clipping), warmup))
 
 
-RATIOS = [("nonprivate", "time"), ("opacus_hooks", "time"), ("nonprivate", "peak"), ("nonprivate", "growth")]
+RATIOS = [
+    ("nonprivate", "time"), ("opacus_hooks", "time"), ("nonprivate", "cpu"), ("opacus_hooks", "cpu"),
+    ("nonprivate", "peak"), ("nonprivate", "growth"),
+]  # fmt: skip
 
 
 def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     # Time at the nominal batch: a DP runner's Poisson batches vary around it (_harness.summarise).
-    keys = {"time": "median_ms_at_batch", "peak": "peak_rss_mib", "growth": "rss_growth_mib"}
+    # "cpu": the process' CPU time per step, robust to a shared VM's steal (meaningful with one thread).
+    keys = {"time": "median_ms_at_batch", "cpu": "median_cpu_ms_at_batch"}
+    keys |= {"peak": "peak_rss_mib", "growth": "rss_growth_mib"}
     return {
         runner: {
             f"{what}/{base}": r[keys[what]] / results[base][keys[what]] for base, what in RATIOS if base in results
@@ -348,13 +356,16 @@ def _table(workload: str, results: dict[str, dict[str, Any]], ratios: dict[str, 
         f"{workload}: batch {w.batch}, {args.repeats} x {args.steps} timed steps (after {args.warmup} warm-up), "
         f"{args.threads} threads"
     )
-    cols = ["median ms", "ms at B", "x non-priv", "x opacus hk", "peak RSS", "x non-priv", "RSS growth", "x non-priv"]
+    cols = ["median ms", "ms at B", "x non-priv", "x opacus hk", "CPU ms at B", "x non-priv", "x opacus hk"]
+    cols += ["peak RSS", "x non-priv", "RSS growth", "x non-priv"]
     lines = [head, f"  {'runner':<22}" + "".join(c.rjust(12) for c in cols)]
     for runner, r in results.items():
         q = ratios[runner]
         cells = [
             f"{r['median_ms']:.1f}", f"{r['median_ms_at_batch']:.1f}", f"{q.get('time/nonprivate', float('nan')):.2f}",
-            f"{q.get('time/opacus_hooks', float('nan')):.2f}", f"{r['peak_rss_mib']:.0f}",
+            f"{q.get('time/opacus_hooks', float('nan')):.2f}", f"{r['median_cpu_ms_at_batch']:.1f}",
+            f"{q.get('cpu/nonprivate', float('nan')):.2f}", f"{q.get('cpu/opacus_hooks', float('nan')):.2f}",
+            f"{r['peak_rss_mib']:.0f}",
             f"{q.get('peak/nonprivate', float('nan')):.2f}", f"{r['rss_growth_mib']:+.0f}",
             f"{q.get('growth/nonprivate', float('nan')):.2f}",
         ]  # fmt: skip
