@@ -223,3 +223,46 @@ def test_a_bag_count_unlike_the_batch_is_explained_when_the_inputs_come_by_keywo
             model(ids=ids, offsets=offsets)
     finally:
         hooks.close()
+
+
+class TwiceOnePlace(nn.Module):
+    """Uses its input twice, the second time modified in place (the view's gradient rerouted through its base)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x + x.relu_()
+
+
+class OwnLinear(nn.Linear):
+    """A subclass with its own forward (the torch.func fallback's): the hooks cannot know what else it does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("layer", [nn.Linear, OwnLinear, Conv1D])
+def test_a_view_output_used_twice_and_modified_in_place_gives_torch_funcs_gradients(engine: str, layer: type) -> None:
+    torch.manual_seed(0)
+    inner = layer(6, 6)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), inner, TwiceOnePlace(), TokenMean(), nn.Linear(6, 3))
+    x, y = torch.randn(7, 4, 5), torch.arange(7) % 3
+    expected = per_example_grads(model, F.cross_entropy, x, y)
+    got = _backend_grads(model, x, y, mode="functorch" if layer is OwnLinear else "hooks", engine=engine)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_stock_linear_on_tokens_hands_on_its_own_output_and_a_subclass_a_copy() -> None:
+    """The stock forward's view is hooked on its matmul's node (no copy); a subclass' output is copied."""
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    for layer, copied in ((nn.Linear(5, 6), False), (Conv1D(6, 5), False), (OwnLinear(5, 6), True)):
+        model = nn.Sequential(layer)
+        hooks = _hooks(model, mode="functorch" if copied else "hooks")
+        try:
+            with hooks.capture(3):
+                out = model(x)
+            assert out._is_view() is not copied, type(layer).__name__
+            out.sum().backward()
+            assert set(hooks.pop()) == set(layer.parameters())
+        finally:
+            hooks.close()

@@ -6,7 +6,7 @@ gradients). A first layer followed by an in-place op (``Conv2d -> ReLU(inplace=T
 VGG-style) used to die right there; a convolution with ``padding_mode``
 reflect/replicate/circular was clipped as if padded with zeros; and an in-place op on a
 layer output that is a view (``nn.Linear`` on ``[n, T, d]``) hid the output's gradient from
-the hooks. Every step of a σ = 0 run must equal the clipped mean of per-example
+the hooks (now hooked on the layer's matmul node, inner layers included). Every step of a σ = 0 run must equal the clipped mean of per-example
 gradients taken by torch.func.
 """
 
@@ -48,6 +48,13 @@ NETS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     ),
     "tokens-linear": (  # nn.Linear on [n, T, d] returns a view of its [n·T, d] result
         lambda: nn.Sequential(nn.Linear(5, 6), nn.ReLU(inplace=True), TokenMean(), nn.Linear(6, 3)),
+        (4, 5),
+    ),
+    # An inner one (its output requires gradient in every step): hooked on its matmul's node, where the
+    # in-place ReLU reroutes the view's gradient through the base.
+    "tokens-linear-inner": (
+        lambda: nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6), nn.ReLU(inplace=True), TokenMean(),
+                              nn.Linear(6, 3)),
         (4, 5),
     ),
 }  # fmt: skip
