@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,7 @@ def test_the_clock_counts_rows_of_tuple_and_mapping_batches_and_stops_after_its_
     trainer.fit(Mapped(), DataLoader(rows, batch_size=4))  # type: ignore[arg-type]
     assert trainer.global_step == 5  # four timed steps and the one whose start closes the last gap
     assert clock.rows == [4] * 5 and len(clock.step_ms(1)) == 3 and all(t > 0 for t in clock.step_ms(0))
+    assert len(clock.step_cpu_ms(1)) == 3 and all(t >= 0 for t in clock.step_cpu_ms(0))
     loop = harness.StepClock(2)
     stopped = [
         i
@@ -71,6 +73,9 @@ def test_the_time_at_the_nominal_batch_scales_each_step_by_its_rows(harness: Mod
     ]  # fmt: skip
     summary = harness.summarise(runs, expected_rows=32)
     assert summary["median_ms_at_batch"] == pytest.approx(40.0)  # 40, 40, 40; the empty batch is left out
+    assert math.isnan(summary["median_cpu_ms_at_batch"])  # no run recorded CPU time
+    runs[0]["step_cpu_ms"], runs[1]["step_cpu_ms"] = [15.0, 25.0], [10.0, 1.0]
+    assert harness.summarise(runs, expected_rows=32)["median_cpu_ms_at_batch"] == pytest.approx(20.0)
     assert summary["median_ms"] == pytest.approx(40.0) and "median_ms_at_batch" not in harness.summarise(runs)
 
 
