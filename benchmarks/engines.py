@@ -232,11 +232,18 @@ def _lightning(
             clip_replay=runner.endswith("_replay"),
         )  # fmt: skip
     clock = StepClock(steps, sync=place.synchronize)
+    # The replay refuses a step whose second backward pass differs bit for bit from the first; on a GPU
+    # that needs deterministic kernels (the strategy warns without them). Only for this runner's fit.
+    deterministic = runner.endswith("_replay") and place.accelerator != "cpu"
     trainer = quiet_trainer(
         strategy=strategy, accelerator=place.accelerator, devices=1, precision=place.precision, max_steps=1000,
-        callbacks=[clock, *callbacks], num_sanity_val_steps=0,
+        callbacks=[clock, *callbacks], num_sanity_val_steps=0, deterministic="warn" if deterministic else None,
     )  # fmt: skip
-    trainer.fit(Task(net, w.language_model), loader)
+    try:
+        trainer.fit(Task(net, w.language_model), loader)
+    finally:
+        if deterministic:  # Lightning sets these for the process; the next runner must not inherit them
+            torch.use_deterministic_algorithms(False)
     return clock
 
 

@@ -6,8 +6,8 @@ gradients). A first layer followed by an in-place op (``Conv2d -> ReLU(inplace=T
 VGG-style) used to die right there; a convolution with ``padding_mode``
 reflect/replicate/circular was clipped as if padded with zeros; and an in-place op on a
 layer output that is a view (``nn.Linear`` on ``[n, T, d]``) hid the output's gradient from
-the hooks (now hooked on the layer's matmul node, inner layers included). Every step of a σ = 0 run must equal the clipped mean of per-example
-gradients taken by torch.func.
+the hooks (now hooked on the layer's matmul node, inner layers included). Every step of a
+σ = 0 run must equal the clipped mean of per-example gradients taken by torch.func.
 """
 
 from __future__ import annotations
