@@ -10,7 +10,7 @@ batch size and writes the result to ``p.grad``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -133,10 +133,7 @@ class GradientPrivatizer:
                 statistics of the other groups are zero; add them up with :func:`merge_stats`.
         """
         per_example = {p: g if isinstance(g, PerExampleGrad) else Dense(g) for p, g in grads.items()}
-        rows = {g.rows for g in per_example.values()}
-        if len(rows) > 1:
-            raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(rows)}.")
-        n = rows.pop() if rows else 0
+        n = common_rows(g.rows for g in per_example.values())
         stats, factors = self.clip(self.sq_norm_table(per_example, n), scale, groups)
         for p, g in per_example.items():
             self.add_clipped(p, g, factors)
@@ -237,6 +234,18 @@ class GradientPrivatizer:
             for p in self._own_shape:
                 view = self.slot(p)
                 p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
+
+
+def common_rows(rows: Iterable[int]) -> int:
+    """The one number of examples that a batch's per-example gradients share (0 for none).
+
+    Raises:
+        RuntimeError: If they disagree.
+    """
+    found = set(rows)
+    if len(found) > 1:
+        raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(found)}.")
+    return found.pop() if found else 0
 
 
 def merge_stats(parts: Sequence[MicroBatchStats]) -> MicroBatchStats:

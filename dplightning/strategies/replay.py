@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from torch import Tensor, nn
 
 from dplightning.privacy.grad_sample import PerExampleGrad, PerExampleHooks
-from dplightning.privacy.mechanism import GradientPrivatizer, MicroBatchStats
+from dplightning.privacy.mechanism import GradientPrivatizer, MicroBatchStats, common_rows
 
 
 class ClipReplay:
@@ -70,10 +70,8 @@ class ClipReplay:
         privatizer = self._privatizer
         params = [p for j in groups for p in privatizer.groups[j].params if p not in self._sq]
         held = self._hooks.take(params, self._k)
-        rows = {v.shape[0] for v in self._sq.values()} | {g.rows for g in held.values()}
-        if len(rows) > 1:
-            raise RuntimeError(f"Per-example gradients disagree on the number of examples: {sorted(rows)}.")
-        param_sq = privatizer.sq_norm_table(held, max(rows, default=0))
+        n = common_rows([*(v.shape[0] for v in self._sq.values()), *(g.rows for g in held.values())])
+        param_sq = privatizer.sq_norm_table(held, n)
         for p, sq in self._sq.items():
             param_sq[:, privatizer.column(p)] = sq
         stats, factors = privatizer.clip(param_sq, self._scale, groups)

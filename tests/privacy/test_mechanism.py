@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dplightning.privacy.clipping import make_clip_groups
-from dplightning.privacy.mechanism import GradientPrivatizer
+from dplightning.privacy.mechanism import GradientPrivatizer, common_rows
 from dplightning.privacy.noise import GaussianNoise
 from tests.reference import clipped_sum, per_example_grads
 
@@ -97,6 +97,10 @@ def test_mismatched_row_counts_are_an_error() -> None:
     params = list(net.parameters())
     with pytest.raises(RuntimeError, match="disagree"):
         priv.accumulate({params[0]: torch.zeros(2, 8, 4), params[1]: torch.zeros(3, 8)})
+    # The one rule, which the clip replay (norms from its first pass, factors held) applies too.
+    assert (common_rows([3, 3]), common_rows([])) == (3, 0)
+    with pytest.raises(RuntimeError, match=r"disagree on the number of examples: \[2, 3\]"):
+        common_rows(iter([3, 2, 3]))
 
 
 def test_published_norms_are_the_per_example_norms() -> None:
