@@ -125,6 +125,8 @@ def make_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
         num_sanity_val_steps=0,
         max_steps=1,
     )
+    if REPLAY and ACCELERATOR == "gpu":  # the replay refuses a backward pass that does not repeat bit for bit
+        defaults["deterministic"] = "warn"
     defaults.update(kwargs)
     return pl.Trainer(strategy=strategy, **defaults)
 
