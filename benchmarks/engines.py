@@ -27,8 +27,8 @@ measurement runs in a fresh process; see ``_harness.py`` for how time and memory
 Time ratios use each runner's median step time scaled to the nominal batch B (step time × B /
 the step's rows), since Poisson batches vary by about √B rows; the ``cpu/*`` ratios use the
 process' CPU time per step instead of wall-clock gaps (with ``--threads 1`` the step's own work,
-without what a shared VM's other tenants took: the wall-clock ratios of one commit moved by
-±40 % between runs on a busy day, the CPU-time ratios are the steadier measure there).
+without steal or other processes; it still moves with what other tenants do to the caches and
+memory bandwidth: ± 0.1–0.2 on the DP/non-private ratio between runs on the 2-core VM).
 
 ``train_runner`` is what ``gpu_validation.py`` reuses on a GPU: the same runners with a
 :class:`Placement` (accelerator and precision) other than the CPU tables' fp32.
@@ -346,7 +346,7 @@ RATIOS = [
 
 def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     # Time at the nominal batch: a DP runner's Poisson batches vary around it (_harness.summarise).
-    # "cpu": the process' CPU time per step, robust to a shared VM's steal (meaningful with one thread).
+    # "cpu": the process' CPU time per step, without a shared VM's steal (meaningful with one thread).
     keys = {"time": "median_ms_at_batch", "cpu": "median_cpu_ms_at_batch"}
     keys |= {"peak": "peak_rss_mib", "growth": "rss_growth_mib"}
     return {
