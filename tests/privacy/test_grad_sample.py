@@ -266,3 +266,19 @@ def test_a_stock_linear_on_tokens_hands_on_its_own_output_and_a_subclass_a_copy(
             assert set(hooks.pop()) == set(layer.parameters())
         finally:
             hooks.close()
+
+
+def test_a_replayed_call_that_no_gradient_reached_in_either_pass_is_no_mismatch() -> None:
+    from dplightning.privacy.grad_sample.samplers import LayerCall
+
+    model = nn.Sequential(nn.Linear(3, 2))
+    hooks, call = _hooks(model), LayerCall(args=(torch.zeros(2, 3),))
+    try:
+        hooks._check_replay(call, [None])  # the first pass fingerprints nothing
+        hooks.sink = lambda p, g: None
+        hooks._check_replay(call, [None])
+        assert hooks._replay_differs is None
+        hooks._check_replay(call, [torch.ones(2, 2)])  # met again, with no first-pass fingerprint left: a mismatch
+        assert bool(hooks._replay_differs)
+    finally:
+        hooks.close()

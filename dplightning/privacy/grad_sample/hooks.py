@@ -264,7 +264,7 @@ class PerExampleHooks:
         if not slots:
             return None
         replaced = False
-        node = _matmul_node(layer, outputs[slots[0]]) if len(slots) == 1 and outputs[slots[0]].requires_grad else None
+        node = _matmul_node(layer, outputs[slots[0]]) if len(slots) == 1 else None
         for i in slots if node is None else ():
             copy = _hookable(outputs[i])
             if copy is not None:
@@ -379,6 +379,8 @@ class PerExampleHooks:
         first, call.fingerprint = call.fingerprint, None
         if first is None or [a.shape for a in first] != [b.shape for b in prints]:
             differs = torch.ones((), dtype=torch.bool)
+        elif not prints:  # no gradient reached the call's outputs, in either pass: nothing to compare
+            return
         else:  # bitwise, NaN included
             differs = torch.stack([(a.view(torch.int64) != b.view(torch.int64)).any() for a, b in zip(first, prints)])
             differs = differs.any()
