@@ -12,7 +12,7 @@ from dplightning.data import TextFileDataModule
 from dplightning.export import load_module
 from dplightning.export import main as export_main
 from dplightning.strategies._dp import CHECKPOINT_KEY
-from dplightning.tasks import CLASS_KEY, DPCausalLM
+from dplightning.tasks import CLASS_KEY, CONFIG_KEY, DPCausalLM
 from tests.helpers import dp, make_trainer
 from tests.tasks import hf_tiny
 
@@ -83,3 +83,33 @@ def test_a_checkpoint_naming_the_module_s_old_class_path_still_exports(
     assert type(load_module(checkpoint)) is DPCausalLM
     assert export_main(["--ckpt", str(tmp_path / "old.ckpt"), "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "model" / "privacy.json").exists()
+
+
+@pytest.mark.parametrize("key", ["config", "class"])
+def test_export_never_runs_code_a_checkpoint_names(
+    exported: tuple[Path, Path], tmp_path: Path, key: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint that loads with weights_only=True is still data: no class path in it is imported or called."""
+    ckpt, _ = exported
+    checkpoint = torch.load(ckpt, weights_only=False)
+    marker = tmp_path / "ran"
+    if key == "config":
+        checkpoint[CONFIG_KEY] = {"class_path": "subprocess.run", "init_args": {"args": ["touch", str(marker)]}}
+    else:
+        checkpoint[CLASS_KEY] = "subprocess.Popen"
+    torch.save(checkpoint, tmp_path / "hostile.ckpt")
+    assert export_main(["--ckpt", str(tmp_path / "hostile.ckpt"), "--out", str(tmp_path / "out")]) == 2
+    assert not marker.exists()
+    refusal = "is not a transformers config class" if key == "config" else "is not a dplightning task class"
+    assert refusal in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_class_path_builds_transformers_configs_only() -> None:
+    from dplightning.models.hf import build_config
+
+    built = build_config({"class_path": "transformers.GPT2Config", "init_args": {"n_layer": 1}})
+    assert type(built).__name__ == "GPT2Config" and built.n_layer == 1
+    for path in ("subprocess.run", "builtins.eval", "transformers.AutoModel", "transformers.utils.logging"):
+        with pytest.raises(ValueError, match="config class_path"):
+            build_config({"class_path": path, "init_args": {}})

@@ -12,7 +12,9 @@ split outside the DP steps (``not_covered``: e.g. a tokenizer fitted on it) and 
 test seed was used. The checkpoint is loaded with ``torch.load(weights_only=True)``, which
 never runs code from the file: one that pickles other objects than tensors, plain containers
 and the few dplightning records of :data:`SAFE_GLOBALS` is refused (``--trust-checkpoint``
-loads your own such files). Exit status: 0, 2 without a privacy ledger, 3 if the ledger
+loads your own such files). The module class and a config's ``class_path`` are data too: only
+dplightning's task classes and ``transformers`` config classes are built. Exit status: 0, 2 without a
+privacy ledger or not a task checkpoint, 3 if the ledger
 contradicts the checkpoint or the record lacks a field it needs, 4 if the file would run code
 when loaded.
 """
@@ -20,7 +22,6 @@ when loaded.
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import json
 import math
@@ -134,12 +135,38 @@ def unit_record(state: dict[str, Any]) -> dict[str, Any]:
     return PrivacyRecord.from_dict(state).unit
 
 
+def task_class(name: object) -> type[HFModule]:
+    """The dplightning task class a checkpoint names, from the shipped ones only (nothing is imported by name).
+
+    The name is data from the checkpoint: importing a module it names could run code (an
+    import has side effects), so it is matched against the task classes that
+    :mod:`dplightning.tasks` defines, under their current and their pre-``tasks/`` paths.
+
+    Raises:
+        ValueError: If ``name`` is not one of them.
+    """
+    shipped: dict[str, type[HFModule]] = {}
+    stack = list(HFModule.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if cls.__module__.startswith("dplightning.tasks."):
+            path = f"{cls.__module__}.{cls.__qualname__}"
+            shipped[path] = shipped[path.replace("dplightning.tasks.", "dplightning.modules.", 1)] = cls
+    if not isinstance(name, str) or name not in shipped:
+        raise ValueError(
+            f"The checkpoint names the module class {name!r}, which is not a dplightning task class "
+            f"({', '.join(sorted(p for p in shipped if p.startswith('dplightning.tasks.')))}): export rebuilds only "
+            "those, and never imports a class a checkpoint names."
+        )
+    return shipped[name]
+
+
 def load_module(checkpoint: dict[str, Any]) -> HFModule:
     """Rebuild the Hugging Face module of ``checkpoint`` from its saved config (no hub, no base download)."""
     if CLASS_KEY not in checkpoint or CONFIG_KEY not in checkpoint:
         raise ValueError("Not a checkpoint of a dplightning Hugging Face module (DPCausalLM, DPSequenceClassifier).")
-    module_name, _, cls_name = checkpoint[CLASS_KEY].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+    cls = task_class(checkpoint[CLASS_KEY])
     accepted = inspect.signature(cls.__init__).parameters
     # Lightning saves the arguments of every __init__ in the class chain; keep those the class takes.
     hparams = {k: v for k, v in checkpoint.get("hyper_parameters", {}).items() if k in accepted}

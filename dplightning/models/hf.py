@@ -59,12 +59,39 @@ def build_config(config: Any) -> Any:
         raise TypeError(f"config must be a transformers config or a mapping, got {type(config).__name__}.")
     fields = dict(config)
     if "class_path" in fields:
-        module, _, name = str(fields.pop("class_path")).rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
+        cls = _config_class(str(fields.pop("class_path")))
         return cls(**dict(fields.pop("init_args", {}) or {}), **fields)
     if "model_type" not in fields:
         raise ValueError("A config mapping needs 'model_type' (e.g. gpt2, opt, bert, llama) or 'class_path'.")
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _config_class(class_path: str) -> type:
+    """The ``transformers`` config class that ``class_path`` names, resolved without calling anything else.
+
+    A config mapping may come from a checkpoint someone hands you (``dplightning export``), so
+    ``class_path`` is data, not code: only a ``PretrainedConfig`` subclass that ``transformers``
+    itself defines is accepted, and it is looked up, never called, before that is checked.
+
+    Raises:
+        ValueError: If ``class_path`` names anything else.
+    """
+    from transformers import PretrainedConfig
+
+    module, _, name = class_path.rpartition(".")
+    if module != "transformers" and not module.startswith("transformers."):
+        raise ValueError(
+            f"config class_path {class_path!r} is not a transformers config class: only transformers' own "
+            "PretrainedConfig subclasses are built from a config mapping (e.g. transformers.GPT2Config), or give "
+            "{'model_type': ..., **fields}."
+        )
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"config class_path {class_path!r} names no class of transformers.") from err
+    if not (isinstance(cls, type) and issubclass(cls, PretrainedConfig)):
+        raise ValueError(f"config class_path {class_path!r} is not a PretrainedConfig subclass; it is not built.")
+    return cls
 
 
 def _offline() -> bool:
