@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import math
 import secrets
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -152,16 +152,18 @@ def cyclic_partitions(num_samples: int, partitions: int, seed: int) -> list[Tens
 
 
 class CyclicPoissonBatchSampler(PoissonBatchSampler):
-    """Cyclic Poisson sampling: step t Poisson-samples partition t mod ``partitions`` at rate q.
+    """Cyclic Poisson sampling: release t Poisson-samples partition t mod ``partitions`` at rate q.
 
-    The data are split into ``partitions`` fixed parts (:func:`cyclic_partitions`); at the
-    j-th step of an epoch every example of part j mod ``partitions`` joins independently with
-    probability q (``sample_rate``, the rate *within* a part), the others do not. An epoch is
-    ``partitions`` x ⌈1/q⌉ steps, a whole number of cycles, so the part of a step depends on its
-    index in the run only, and an example participates at most once every ``partitions`` steps
-    (provided Lightning runs whole epochs or a multiple of ``partitions`` steps of each: the
-    strategy checks that). Each rank samples its share ``part[rank::world_size]`` of the part,
-    so the union over ranks is one Poisson(q) sample of the part.
+    The data are split into ``partitions`` fixed parts (:func:`cyclic_partitions`); at release
+    t of the run every example of part t mod ``partitions`` joins independently with
+    probability q (``sample_rate``, the rate *within* a part), the others do not. The position
+    in the cycle is global: each iteration (epoch) starts at the run's next release index, read
+    from ``position`` when the iteration begins, so an epoch that Lightning ends early (or a
+    step that was dropped) does not restart the cycle, and an example participates at most
+    once every ``partitions`` releases. Each yielded batch's release index is queued in
+    :attr:`scheduled` for the strategy to check against the release it joins. An epoch is
+    ``partitions`` x ⌈1/q⌉ steps. Each rank samples its share ``part[rank::world_size]`` of the
+    part, so the union over ranks is one Poisson(q) sample of the part.
 
     Args:
         num_samples: Size N of the whole training set.
@@ -173,6 +175,8 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         world_size: Number of processes.
         seed: FOR TESTS ONLY; ``None`` seeds each epoch from OS entropy.
         secure_mode: Draw inclusion decisions from the OS CSPRNG.
+        position: The run's next release index, read when an iteration begins (default: the
+            sampler counts the logical steps it yielded, right only if every one is released).
     """
 
     def __init__(
@@ -186,12 +190,17 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         world_size: int = 1,
         seed: int | None = None,
         secure_mode: bool = False,
+        position: Callable[[], int] | None = None,
     ) -> None:
         super().__init__(num_samples, sample_rate, micro_batches, rank, world_size, seed, secure_mode)
         self.partitions = partitions
         self.partition_seed = partition_seed
         self.parts = [part[rank::world_size] for part in cyclic_partitions(num_samples, partitions, partition_seed)]
         self.steps_per_epoch = partitions * steps_per_epoch(sample_rate)
+        self.position = position
+        self._yielded_steps = 0
+        self.scheduled: deque[int] = deque()
+        """The release index of each yielded batch not yet taken, oldest first (cleared when an iteration begins)."""
 
     def __iter__(self) -> Iterator[list[int]]:
         self._iterations += 1
@@ -201,11 +210,25 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
             else derive_seed(self.seed, "cyclic", self.rank, self.epoch, self._iterations)
         )
         generator = torch.Generator().manual_seed(seed)
-        for step in range(self.steps_per_epoch):
+        start = self.position() if self.position is not None else self._yielded_steps
+        self.scheduled.clear()  # what the previous iteration yielded ahead was never trained on
+        for step in range(start, start + self.steps_per_epoch):
             part = self.parts[step % self.partitions]
             chosen = part[self._sample(generator, len(part))]
+            self._yielded_steps = step + 1
             for piece in torch.tensor_split(chosen, self.micro_batches):
+                self.scheduled.append(step)
                 yield piece.tolist()
+
+    def take(self) -> int:
+        """The release index the oldest yielded batch was sampled for (call once per training batch).
+
+        Raises:
+            RuntimeError: If no yielded batch is waiting (a batch that did not come from this sampler).
+        """
+        if not self.scheduled:
+            raise RuntimeError("A training batch arrived that the cyclic sampler did not yield.")
+        return self.scheduled.popleft()
 
 
 class EmptySafeCollate:

@@ -53,7 +53,13 @@ from dplightning.privacy.grad_sample.validation import refuse_batch_mean_loss
 from dplightning.privacy.matrix_mechanism import Strategy as NoiseStrategy
 from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise, derive_seed
-from dplightning.privacy.poisson import PoissonDataLoader, batch_rows, check_poisson_compatible, loader_batch_size
+from dplightning.privacy.poisson import (
+    CyclicPoissonBatchSampler,
+    PoissonDataLoader,
+    batch_rows,
+    check_poisson_compatible,
+    loader_batch_size,
+)
 from dplightning.privacy.provenance import data_provenance
 from dplightning.privacy.record import CHECKPOINT_KEY, PrivacyRecord
 from dplightning.protocols import CountsExamples, ShowsEpsilon
@@ -109,6 +115,7 @@ class _DPHooks(Strategy):
         self._trainer: pl.Trainer | None = None
         self._resume_record: PrivacyRecord | None = None
         self._batches_since_release = 0
+        self._accumulating_epoch = 0  # the epoch of the micro-batches accumulated since the last release
         self._closure_calls = 0
         self._extra_handles: list[Any] = []
         self._engines: dict[str, str] = {}  # layer -> engine, kept after teardown for the checkpoint
@@ -119,6 +126,8 @@ class _DPHooks(Strategy):
         self._nonfinite_seen = 0  # the count at the last release (examples are counted when clipped)
         self._released_this_fit = 0  # the coupling probe runs on the first steps of every fit
         self._partition_seed: int | None = None  # secret seed of the cyclic sampler's split, one per run
+        self._cyclic_dataset: tuple[object, int] | None = None  # the data set the split was drawn over, and its N
+        self._cyclic_sampler: CyclicPoissonBatchSampler | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -401,6 +410,7 @@ class _DPHooks(Strategy):
         self._extra_handles = [*refuse_batch_mean_loss(module, capturing), watch_private_logs(trainer)]
         self._nonfinite_seen, self._warned_nonfinite = 0, False
         self._released_this_fit = 0
+        self._batches_since_release = 0  # a fit that ended mid-accumulation left its count; its buckets are gone
         self._restore_dp_state(trainer)
         # Not at import: dplightning.callbacks loads the data package, which `import dplightning` does not need.
         from dplightning.callbacks.progress import EpsilonProgress, NonfiniteCount, OptimizerMetrics
@@ -544,6 +554,7 @@ class _DPHooks(Strategy):
             local = derive_seed(self.dp_config.seed, "partitions") if self.dp_config.seed is not None else None
             self._partition_seed = int(self.broadcast(local if local is not None else secrets.randbits(63)))
         self._check_same_on_every_rank(dataloader, partitions=partitions, partition_seed=self._partition_seed)
+        self._check_same_data_set(dataloader.dataset, n)
         self.accounting.set_sampling(n, rate)
         loader = PoissonDataLoader.from_dataloader(
             dataloader,
@@ -555,7 +566,9 @@ class _DPHooks(Strategy):
             world_size=self.world_size,
             seed=self.dp_config.seed,
             secure_mode=self.dp_config.secure_mode,
+            position=lambda: self.dp_state.steps,
         )
+        self._cyclic_sampler = cast(CyclicPoissonBatchSampler, loader.batch_sampler)
         per_epoch = steps_per_epoch_run(trainer, len(loader))
         if per_epoch % partitions:
             raise ValueError(
@@ -571,6 +584,26 @@ class _DPHooks(Strategy):
             f"{per_epoch} steps."
         )
         return loader
+
+    def _check_same_data_set(self, dataset: object, n: int) -> None:
+        """Refuse a reloaded train loader over another data set under a correlated mechanism.
+
+        The cyclic split assigns examples to parts by position in the data set, so a reload that
+        reorders or resizes it (a curriculum) moves examples between parts mid-run, and an example
+        could return before ``p`` releases have passed. The same data set object is kept as is.
+        """
+        if self._cyclic_dataset is None:
+            self._cyclic_dataset = (dataset, n)
+            return
+        first, first_n = self._cyclic_dataset
+        if dataset is not first or n != first_n:
+            raise ValueError(
+                f"The reloaded train loader holds another data set (N = {n}, was {first_n}; or the same size in "
+                f"another object, e.g. reordered) than the run started with. noise_mechanism="
+                f"{self.dp_config.noise_mechanism!r} assigns each example to a fixed part by its position, so a new "
+                "data set would move examples between parts and break the separation its sensitivity relies on. "
+                "Return a loader over the same data set object at every reload (or do not reload)."
+            )
 
     def _check_same_on_every_rank(self, dataloader: DataLoader, **values: int) -> None:
         """Raise on every rank if the ranks disagree on ``values`` (a multi-process strategy checks)."""
@@ -593,7 +626,11 @@ class _DPHooks(Strategy):
         self, step: PrivateStep, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         module = known(self.lightning_module, "the LightningModule")
+        trainer = known(self._trainer, "the Trainer")
+        if self._batches_since_release and trainer.current_epoch != self._accumulating_epoch:
+            self._drop_partial_step(step)
         if self._batches_since_release == 0:
+            self._accumulating_epoch = trainer.current_epoch
             step.restore_weight_grads()
             if self.dp_config.correlated and step.trainables_changed():
                 raise RuntimeError(
@@ -607,13 +644,14 @@ class _DPHooks(Strategy):
                 "Under DP, manual optimization must call opt.step() exactly once per training batch, after its "
                 "backward passes; the previous batch ran manual_backward without an opt.step() after it."
             )
+        self._check_cyclic_position()
         units = _batch_units(module, args[0] if args else kwargs.get("batch"))
         self._batches_since_release += 1
         # Empty Poisson batches run training_step too: under dp_ddp every rank must reach the same
         # collectives (self.log(sync_dist=True), all_gather, metric syncs) whatever its local batch.
         automatic = module.automatic_optimization
         # Lightning divides the loss by k under automatic optimization; a manual step's loss is as written.
-        divisor = known(self._trainer, "the Trainer").accumulate_grad_batches if automatic else 1
+        divisor = trainer.accumulate_grad_batches if automatic else 1
         probe = self._coupling_probe(units, args, kwargs)
         try:
             with step.batch(units, _rows_per_unit(module), automatic, divisor, probe):
@@ -627,6 +665,37 @@ class _DPHooks(Strategy):
                     "sum / max(n, 1)."
                 ) from err
             raise
+
+    def _check_cyclic_position(self) -> None:
+        """Refuse a batch that the cyclic sampler drew for another release than the one it joins."""
+        sampler = self._cyclic_sampler
+        if sampler is None:
+            return
+        drawn, joins = sampler.take(), self.dp_state.steps
+        if drawn != joins:
+            raise RuntimeError(
+                f"This batch was sampled from part {drawn % sampler.partitions} for release {drawn}, but it joins "
+                f"release {joins} (part {joins % sampler.partitions}): an example could participate twice within "
+                f"{sampler.partitions} releases, beyond what noise_mechanism={self.dp_config.noise_mechanism!r} "
+                "accounts. Nothing of this batch was released."
+            )
+
+    def _drop_partial_step(self, step: PrivateStep) -> None:
+        """Drop the micro-batches of an accumulation that the previous epoch ended in the middle of.
+
+        Lightning ends an epoch when ``on_train_batch_start`` returns -1, also between the
+        micro-batches of one Poisson batch, and then adds the next epoch's micro-batches to the
+        same gradient: an example in both would contribute two clipped gradients to one release
+        charged as one. Nothing of the cut batch was released, so dropping it spends nothing.
+        """
+        dropped, self._batches_since_release = self._batches_since_release, 0
+        step.discard()
+        rank_zero_warn(
+            f"Epoch {self._accumulating_epoch} ended in the middle of an accumulation (after {dropped} of "
+            f"accumulate_grad_batches={known(self._trainer, 'the Trainer').accumulate_grad_batches} micro-batches, "
+            "e.g. on_train_batch_start returned -1): its clipped gradients were dropped, not released; the ledger "
+            "is unchanged."
+        )
 
     def _coupling_probe(self, units: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CouplingProbe | None:
         """The coupling probe of this batch, on the first steps of a fit under automatic optimization.

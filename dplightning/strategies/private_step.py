@@ -416,6 +416,15 @@ class PrivateStep:
             self.optimizer.dp_release(DPRelease(slots, noise_std / expected_batch_size, self.groups, step))
         self.last_step_stats, self._stats = self._stats, []
 
+    def discard(self) -> None:
+        """Forget everything accumulated since the last release (a step that will never be released)."""
+        self.restore_weight_grads()
+        self.privatizer.discard()
+        self.accumulation.clear()
+        self._stats.clear()
+        self._early_stats, self._early_done = [], set()
+        self._replay = None
+
     def close(self) -> None:
         """Remove every hook; give back ``requires_grad``."""
         self.restore_weight_grads()
