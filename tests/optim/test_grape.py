@@ -420,3 +420,19 @@ def test_the_projected_layers_are_those_the_engines_factor_as_matrices() -> None
     muon = DPMuon(net.parameters())
     muon.dp_bind_module(net)
     assert muon._stored_transposed == {net[1].weight}  # the real Conv1D only: its fan-out/fan-in scale
+
+
+@pytest.mark.parametrize("engine", available_engines())
+@pytest.mark.parametrize("tokens", [None, 5], ids=["2d-input", "3d-input"])
+def test_an_empty_batch_projects_to_zero_rows(engine: str, tokens: int | None) -> None:
+    """Poisson sampling draws empty batches: every transform must map zero rows to zero rows (finding 48.N3)."""
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(0, *([tokens] if tokens else []), 6)
+    opt, plan, grads = _planned_grads(model, x, torch.zeros(0, dtype=torch.long), engine)
+    for p, transform in plan.transforms.items():
+        slot = transform.slot_shape(p.shape)
+        g = grads[p] if p in grads else None
+        if g is not None:
+            assert g.rows == 0 and tuple(g.instantiate().shape) == (0, *slot)
+        assert tuple(transform.dense(torch.zeros(0, *p.shape)).shape) == (0, *slot)

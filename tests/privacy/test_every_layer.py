@@ -631,3 +631,45 @@ def test_every_layer_is_exact_or_refused_at_setup(name: str, engine: str, mode: 
                 )
     finally:
         hooks.close()
+
+
+def _empty(inputs: Inputs) -> Inputs:
+    """The batch cut to zero examples (Poisson sampling draws empty batches); shared inputs kept."""
+    return tuple(x[:0] if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == N else x for x in inputs)
+
+
+@pytest.mark.parametrize("engine", available_engines())
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.hooks == "exact" and c.example is _rows])
+def test_every_layer_takes_an_empty_batch(name: str, engine: str) -> None:
+    """Zero examples in, zero-row per-example gradients out, under every engine (finding 48.N3's class).
+
+    Over the cases whose examples are rows of their inputs (the others, e.g. EmbeddingBag's
+    flat ids with offsets, have no row to cut; torch crashes on some of them when empty).
+    """
+    case = CASES[name]
+    layer = case.layer()
+    case.prepare(layer)
+    model = Probe(layer, case)
+    empty = _empty(case.inputs())
+    try:  # the layer alone, unhooked: if torch cannot run it on zero rows, there is nothing to hook
+        model(*empty).sum().backward()
+    except (RuntimeError, ValueError, IndexError) as err:
+        pytest.skip(f"torch itself cannot run {name} on an empty batch: {err}")
+    model.zero_grad(set_to_none=True)
+    params = list(_trainable(model).values())
+    hooks = PerExampleHooks(model, params, engine=engine)
+    try:
+        for p in params:
+            p.requires_grad_(False)  # the strategy's steps outside verification
+        try:
+            with hooks.capture(0):
+                out = model(*empty)
+            if out.requires_grad:
+                out.square().sum().backward()
+        finally:
+            for p in params:
+                p.requires_grad_(True)
+        for p, g in hooks.pop().items():
+            assert g.rows == 0 and tuple(g.instantiate().shape) == (0, *p.shape), name
+    finally:
+        hooks.close()

@@ -37,7 +37,14 @@ from typing import Any, ClassVar, cast
 
 from torch import Tensor, nn
 
-from dplightning.privacy.grad_sample.grads import Dense, Factored, PerExampleGrad, Summed, ghost_norm_pays
+from dplightning.privacy.grad_sample.grads import (
+    Dense,
+    Factored,
+    PerExampleGrad,
+    Summed,
+    as_tokens,
+    ghost_norm_pays,
+)
 from dplightning.privacy.grad_sample.samplers import (
     LayerCall,
     conv_columns,
@@ -140,24 +147,19 @@ def _weight(layer: nn.Module) -> nn.Parameter:
     return cast(nn.Parameter, layer.weight)
 
 
-def _tokens(t: Tensor) -> Tensor:
-    """``[n, ..., d]`` -> ``[n, T, d]`` (T = 1 for a plain ``[n, d]`` input)."""
-    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])  # explicit T: n may be 0
-
-
 def _linear(layer: Any, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
-    a, d = _tokens(call.args[0]), _tokens(grad)
+    a, d = as_tokens(call.args[0]), as_tokens(grad)
     return Factored(d, a.to(d.dtype), layer.weight.shape[0], layer.weight.shape), d.sum(1)
 
 
 def _hf_conv1d(layer: Any, call: LayerCall, grad: Tensor) -> tuple[Factored, Tensor]:
-    a, d = _tokens(call.args[0]), _tokens(grad)  # weight is [in, out]: g_i = A_iᵀ Δ_i
+    a, d = as_tokens(call.args[0]), as_tokens(grad)  # weight is [in, out]: g_i = A_iᵀ Δ_i
     return Factored(a.to(d.dtype), d, layer.weight.shape[0], layer.weight.shape), d.sum(1)
 
 
 def _embedding(layer: Any, call: LayerCall, grad: Tensor) -> tuple[Factored, None]:
     ids = call.args[0].reshape(grad.shape[0], math.prod(grad.shape[1:-1])).long()
-    d = _tokens(grad)
+    d = as_tokens(grad)
     if layer.padding_idx is not None:  # autograd gives the padding row no gradient
         d = d * (ids != layer.padding_idx).unsqueeze(-1).to(d.dtype)
     return Factored(ids, d, layer.weight.shape[0], layer.weight.shape), None
@@ -354,7 +356,7 @@ def factored_kind(layer: nn.Module) -> FactorFn | None:
     return None if found is None else found.factor
 
 
-def weight_tokens(layer: nn.Module, call: LayerCall, grad: Tensor) -> int:
+def weightas_tokens(layer: nn.Module, call: LayerCall, grad: Tensor) -> int:
     """T, the rows per example of ``layer``'s factored weight gradient in this call."""
     found = factorisation_of(layer)
     return _token_rows(grad) if found is None else found.tokens(grad)
@@ -383,7 +385,7 @@ class BookKeeping(Engine):
 
     def factor(self, layer: nn.Module, call: LayerCall, grad: Tensor) -> bool:
         """Whether to keep this call factored (:meth:`keeps_factors` for the call's T and the layer's weight)."""
-        return self.keeps_factors(weight_tokens(layer, call, grad), math.prod(_weight(layer).shape))
+        return self.keeps_factors(weightas_tokens(layer, call, grad), math.prod(_weight(layer).shape))
 
     @classmethod
     def keeps_factors(cls, tokens: int, elements: int) -> bool:

@@ -28,6 +28,15 @@ import torch
 from torch import Tensor
 
 
+def as_tokens(t: Tensor) -> Tensor:
+    """``[n, ..., d]`` -> ``[n, T, d]`` (T = 1 for a plain ``[n, d]`` input).
+
+    T is computed, never ``-1``: an empty Poisson batch has n = 0, and a reshape of zero
+    elements cannot infer a dimension.
+    """
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
+
+
 def _fp32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float64 or not t.is_floating_point() else t.float()
 

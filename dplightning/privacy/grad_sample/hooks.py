@@ -345,8 +345,8 @@ class PerExampleHooks:
         if self.fingerprint or self.sink is not None:
             self._check_replay(call, grads)
         if call.fold > 1:
-            call = call.folded()
-            grads = [None if g is None else g.reshape(call.rows, -1, *g.shape[1:]) for g in grads]
+            fold, call = call.fold, call.folded()  # the fold is explicit: an empty batch cannot infer it
+            grads = [None if g is None else g.reshape(g.shape[0] // fold, fold, *g.shape[1:]) for g in grads]
         with self._engine_view(layer):
             per_example = self.engine.grads(layer, call, grads)
         rows = self.batch_rows if self.batch_rows is not None else call.rows

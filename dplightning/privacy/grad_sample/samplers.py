@@ -36,6 +36,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dplightning._state import known
+from dplightning.privacy.grad_sample.grads import as_tokens
 
 
 @dataclass
@@ -135,8 +136,8 @@ def _embedding(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[
 def _hf_conv1d(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # Conv1D computes y = x @ W + b with W stored [in, out] (transposed with respect to nn.Linear).
     a, b = call.args[0], known(grads[0], "the layer's output gradient")
-    a3 = a.reshape(a.shape[0], -1, a.shape[-1])
-    b3 = b.reshape(b.shape[0], -1, b.shape[-1]).to(a3.dtype)
+    a3 = as_tokens(a)
+    b3 = as_tokens(b).to(a3.dtype)
     out: dict[nn.Parameter, Tensor] = {}
     if layer.weight.requires_grad:
         out[layer.weight] = torch.einsum("nti,nto->nio", a3, b3)
@@ -193,7 +194,7 @@ def _hf_rms_norm(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dic
     h = x.float()
     normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon)).to(x.dtype)
     per_token = (grad * normed).float()
-    return {layer.weight: per_token.reshape(per_token.shape[0], -1, per_token.shape[-1]).sum(1)}
+    return {layer.weight: as_tokens(per_token).sum(1)}
 
 
 def conv_columns(layer: Any, x: Tensor) -> Tensor:
@@ -207,7 +208,10 @@ def conv_columns(layer: Any, x: Tensor) -> Tensor:
     if any(pads):
         x = F.pad(x, pads, mode="constant" if layer.padding_mode == "zeros" else layer.padding_mode)
     if isinstance(layer, nn.Conv3d):
-        return unfold3d(x, kernel_size=layer.kernel_size, stride=layer.stride, dilation=layer.dilation)
+        # Opacus' unfold3d cannot reshape zero rows: unfold one zero example for the shape instead.
+        rows = x if x.shape[0] else x.new_zeros(1, *x.shape[1:])
+        cols = unfold3d(rows, kernel_size=layer.kernel_size, stride=layer.stride, dilation=layer.dilation)
+        return cols[: x.shape[0]]
     if isinstance(layer, nn.Conv1d):  # as a 2-d convolution of height 1
         return F.unfold(x.unsqueeze(-2), (1, *layer.kernel_size), dilation=(1, *layer.dilation),
                         stride=(1, *layer.stride))  # fmt: skip
@@ -276,10 +280,10 @@ def _bilinear(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[n
     grad = known(grads[0], "the layer's output gradient")
     n = grad.shape[0]
     x1, x2 = _call_arg(call, 0, ("input1",)), _call_arg(call, 1, ("input2",))
-    d = grad.reshape(n, -1, grad.shape[-1])
+    d = as_tokens(grad)
     out: dict[nn.Parameter, Tensor] = {}
     if layer.weight.requires_grad:
-        a, b = (x.to(grad.dtype).reshape(n, -1, x.shape[-1]) for x in (x1, x2))
+        a, b = (as_tokens(x.to(grad.dtype)) for x in (x1, x2))
         out[layer.weight] = torch.einsum("nto,nti,ntj->noij", d, a, b)
     if layer.bias is not None and layer.bias.requires_grad:
         out[layer.bias] = d.sum(1)
@@ -293,9 +297,11 @@ def _prelu(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.P
         return {}
     n = grad.shape[0]
     per_element = grad * x.to(grad.dtype).clamp(max=0)
+    # Explicit sizes, not -1: an empty Poisson batch has zero elements and -1 would be ambiguous.
     if layer.num_parameters == 1:
-        return {layer.weight: per_element.reshape(n, -1).sum(1, keepdim=True)}
-    return {layer.weight: per_element.reshape(n, layer.num_parameters, -1).sum(2)}
+        return {layer.weight: per_element.reshape(n, per_element.shape[1:].numel()).sum(1, keepdim=True)}
+    per_channel = per_element.shape[1:].numel() // layer.num_parameters
+    return {layer.weight: per_element.reshape(n, layer.num_parameters, per_channel).sum(2)}
 
 
 _OWN: dict[type[nn.Module], GradSampler] = {
