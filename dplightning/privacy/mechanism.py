@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,7 @@ from dplightning.privacy.clipping import ClipGroup, clip_factors, joint_sensitiv
 from dplightning.privacy.grad_sample.grads import Dense, PerExampleGrad
 from dplightning.privacy.grad_sample.transforms import SlotTransform
 from dplightning.privacy.noise import GaussianNoise
+from dplightning.privacy.release import Release, ReleaseObserver, ReleaseSpec, observers
 
 if TYPE_CHECKING:
     from torch.distributed import Work
@@ -201,6 +202,7 @@ class GradientPrivatizer:
         expected_batch_size: float,
         reduce: BucketReducer | None = None,
         write_grads: bool = True,
+        spec: ReleaseSpec | None = None,
     ) -> None:
         """Add this rank's noise, sum across ranks, divide by the expected batch and set ``p.grad``.
 
@@ -214,10 +216,16 @@ class GradientPrivatizer:
                 Bucket ``b``'s reduction overlaps the noise of bucket ``b + 1``.
             write_grads: Set ``p.grad`` to the released slot of every parameter without a
                 transform; the release stays readable in :meth:`slot` either way.
+            spec: What the strategy declares about this release, for the observers of the
+                release seam (:mod:`dplightning.privacy.release`); required while any observes.
         """
         if self._released:  # a step with no backward pass at all: release pure noise
             for b in self.buckets:
                 b.zero_()
+        watching = observers()
+        if watching and spec is None:
+            raise RuntimeError("A release is observed but its caller declared no ReleaseSpec.")
+        clipped = torch.cat([b.detach().flatten() for b in self.buckets]) if watching else None
         pending = []
         for bucket in self.buckets:
             if noise is not None and noise_std > 0:
@@ -227,6 +235,8 @@ class GradientPrivatizer:
         for work in pending:
             if work is not None:
                 work.wait()
+        if watching:
+            self._observe(watching, Release(cast(ReleaseSpec, spec), cast(Tensor, clipped)))
         for bucket in self.buckets:
             bucket.div_(expected_batch_size)
         self._released = True
@@ -234,6 +244,21 @@ class GradientPrivatizer:
             for p in self._own_shape:
                 view = self.slot(p)
                 p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
+
+
+    def _observe(self, watching: Sequence[ReleaseObserver], release: Release) -> None:
+        """Hand the release to each observer; write back an output one substitutes."""
+        output = torch.cat([b.detach().flatten() for b in self.buckets])
+        for observer in watching:
+            replaced = observer(release, output.clone())
+            if replaced is not None:
+                if replaced.shape != output.shape:
+                    raise ValueError(f"A release observer returned shape {tuple(replaced.shape)}, not {tuple(output.shape)}.")
+                output = replaced.to(output.device, output.dtype)
+        offset = 0
+        for bucket in self.buckets:
+            bucket.copy_(output[offset : offset + bucket.numel()])
+            offset += bucket.numel()
 
 
 def common_rows(rows: Iterable[int]) -> int:

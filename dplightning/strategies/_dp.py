@@ -62,6 +62,7 @@ from dplightning.privacy.poisson import (
 )
 from dplightning.privacy.provenance import data_provenance
 from dplightning.privacy.record import CHECKPOINT_KEY, PrivacyRecord
+from dplightning.privacy.release import ReleaseSpec, observers
 from dplightning.protocols import CountsExamples, ShowsEpsilon
 from dplightning.strategies._trainer import trainer_callbacks
 from dplightning.strategies.accounting import PrivacyAccounting, mechanism_of
@@ -771,6 +772,8 @@ class _DPHooks(Strategy):
         self._check_one_batch_per_release()
         steps, total = state.steps, state.noise_std
         released = total  # the std of this step's noise on the clipped sum, as the optimizer's DP plan is told
+        spec = ReleaseSpec(steps, self.dp_config.noise_mechanism, step.sensitivity, released, expected_batch_size,
+                           self.global_rank, self.world_size)  # fmt: skip
         if self.dp_config.correlated:
             plan = known(self._fit.correlated, "the strategy matrix of the correlated noise")
             if steps >= plan.strategy.n:
@@ -780,7 +783,9 @@ class _DPHooks(Strategy):
                 )
             step.bind_noise_strategy(plan.strategy)
             released = total * float(plan.marginal[steps])
-        step.release(self._local_noise_std(total), released, expected_batch_size, self._bucket_reducer(), steps)
+            spec = replace(spec, noise_std=released, strategy=plan.strategy.matrix() if observers() else None,
+                           run_sensitivity=self.accounting.mechanism.run_sensitivity(plan.sensitivity, plan.strategy.n))  # fmt: skip
+        step.release(self._local_noise_std(total), released, expected_batch_size, self._bucket_reducer(), steps, spec)
         self.accounting.step()
         self._released_this_fit += 1
         journal = self._journal()

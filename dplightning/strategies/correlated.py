@@ -85,6 +85,18 @@ class NoiseMechanism:
             return -(-steps // self.partitions)
         return 1  # blt: the whole run is one Gaussian mechanism, charged at its first step
 
+    def run_sensitivity(self, sensitivity: float, steps: int) -> float:
+        """The sensitivity of C·X over a whole run of ``steps`` that the ledger charges, in units of Δ.
+
+        ``sensitivity`` is :func:`strategy_sensitivity`'s. ``band_mf`` charges each of its
+        compositions one participation (columns ``partitions`` apart do not overlap when
+        bands <= partitions), so the run's is √(compositions) times it; ``blt``'s already covers
+        every participation; DP-SGD's releases are each their own mechanism (√steps over a run).
+        """
+        if self.name == "blt":
+            return sensitivity
+        return sensitivity * math.sqrt(self.compositions(steps))
+
     def charges(self, step: int) -> bool:
         """Whether releasing step ``step`` (0-based) charges one composition."""
         return self.compositions(step + 1) > self.compositions(step)

@@ -32,6 +32,7 @@ from dplightning.privacy.grad_sample import PerExampleGrad, PerExampleHooks, Slo
 from dplightning.privacy.matrix_mechanism import Strategy as NoiseStrategy
 from dplightning.privacy.mechanism import BucketReducer, GradientPrivatizer, MicroBatchStats, merge_stats
 from dplightning.privacy.noise import GaussianNoise
+from dplightning.privacy.release import ReleaseSpec
 from dplightning.protocols import DPPlan, DPPlanned, DPRelease
 from dplightning.strategies.accumulation import ManualAccumulation
 from dplightning.strategies.config import DPConfig
@@ -393,6 +394,7 @@ class PrivateStep:
         expected_batch_size: float,
         reduce: BucketReducer | None,
         step: int,
+        spec: ReleaseSpec | None = None,
     ) -> None:
         """Noise once, sum across ranks, divide by q·N; then ``p.grad`` and the optimizer's plan receive it.
 
@@ -403,6 +405,7 @@ class PrivateStep:
             expected_batch_size: The public q·N.
             reduce: The cross-rank sum of one bucket, or ``None`` on one process.
             step: Index of this noisy step.
+            spec: The release as the strategy declares it, for the release seam's observers.
         """
         self.restore_weight_grads()
         accumulated = self.accumulation.take()
@@ -410,7 +413,7 @@ class PrivateStep:
             self._clip(*accumulated)
         self.verification.step_done()
         self.noise.start_step(step)
-        self.privatizer.release(self.noise, local_noise_std, expected_batch_size, reduce)
+        self.privatizer.release(self.noise, local_noise_std, expected_batch_size, reduce, spec=spec)
         if isinstance(self.optimizer, DPPlanned):
             slots = {p: self.privatizer.slot(p) for p in self.privatizer.params}
             self.optimizer.dp_release(DPRelease(slots, noise_std / expected_batch_size, self.groups, step))
