@@ -125,7 +125,8 @@ class _DPHooks(Strategy):
         self._run_id = uuid.uuid4().hex  # names this run's privacy journal; kept in its checkpoints
         self._warned_nonfinite = False
         self._nonfinite_seen = 0  # the count at the last release (examples are counted when clipped)
-        self._released_this_fit = 0  # the coupling probe runs on the first steps of every fit
+        self._probes_compared = 0  # steps of this fit whose coupling probe compared examples on every rank
+        self._probe_compared_step = False  # whether this step's probe compared two units or more here
         self._partition_seed: int | None = None  # secret seed of the cyclic sampler's split, one per run
         self._cyclic_dataset: tuple[object, int] | None = None  # the data set the split was drawn over, and its N
         self._cyclic_sampler: CyclicPoissonBatchSampler | None = None
@@ -282,7 +283,21 @@ class _DPHooks(Strategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         if self.private_step is not None:
-            self.private_step.after_backward()
+            try:
+                self.private_step.after_backward()  # the checks that refuse a step run here
+            except Exception as err:
+                self._note_spent(err)
+                raise
+
+    def _note_spent(self, err: BaseException) -> None:
+        """Say in a refusal what the run had already released: a refusal after a release does not undo it."""
+        steps = self.dp_state.steps
+        if steps:
+            err.add_note(
+                f"This step was not released, but the run had already released {steps} noisy step(s) before this "
+                f"check refused; they stay spent (ε = {self.get_epsilon():.4g} at δ = {self.dp_state.delta:.3g}, "
+                "in the ledger and in any checkpoint written)."
+            )
 
     @override
     def optimizer_step(
@@ -410,7 +425,7 @@ class _DPHooks(Strategy):
         capturing = lambda: self._fit.step is not None and self._fit.step.capturing  # noqa: E731
         self._extra_handles = [*refuse_batch_mean_loss(module, capturing), watch_private_logs(trainer)]
         self._nonfinite_seen, self._warned_nonfinite = 0, False
-        self._released_this_fit = 0
+        self._probes_compared, self._probe_compared_step = 0, False  # the coupling probe runs anew in every fit
         self._batches_since_release = 0  # a fit that ended mid-accumulation left its count; its buckets are gone
         self._restore_dp_state(trainer)
         # Not at import: dplightning.callbacks loads the data package, which `import dplightning` does not need.
@@ -707,10 +722,11 @@ class _DPHooks(Strategy):
         module, verify = known(self.lightning_module, "the LightningModule"), self.dp_config.verify_gradients
         if not module.automatic_optimization or verify == "never":
             return None
-        if verify == "first_steps" and self._released_this_fit >= VERIFIED_STEPS:
+        if verify == "first_steps" and self._probes_compared >= VERIFIED_STEPS:
             return None
         if units < 2 and self.world_size == 1:
             return None
+        self._probe_compared_step |= units >= 2
         if args:
             probe, kept = probe_batch(args[0], units)
             args = (probe, *args[1:])
@@ -742,6 +758,21 @@ class _DPHooks(Strategy):
             return result
 
         return private_closure
+
+    def _count_compared_probe(self) -> None:
+        """Count this step's probe toward the probed steps if it compared units on every rank.
+
+        A batch of fewer than two units compares nothing, so it does not use up a probed step
+        (at small expected batches every probed step could otherwise be such a batch). Only
+        while probes are still due, and agreed across ranks, which must probe in lock-step.
+        """
+        compared, self._probe_compared_step = self._probe_compared_step, False
+        if self.dp_config.verify_gradients == "first_steps" and self._probes_compared < VERIFIED_STEPS:
+            self._probes_compared += int(self._all_ranks_agree(compared))
+
+    def _all_ranks_agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (one process: this one)."""
+        return flag
 
     def _bucket_reducer(self) -> BucketReducer | None:
         """Cross-rank sum of one bucket; ``None`` on one process."""
@@ -787,7 +818,7 @@ class _DPHooks(Strategy):
                            run_sensitivity=self.accounting.mechanism.run_sensitivity(plan.sensitivity, plan.strategy.n))  # fmt: skip
         step.release(self._local_noise_std(total), released, expected_batch_size, self._bucket_reducer(), steps, spec)
         self.accounting.step()
-        self._released_this_fit += 1
+        self._count_compared_probe()
         journal = self._journal()
         if journal is not None and self.is_global_zero and self.accounting.ledger.history:
             sigma, q, _ = self.accounting.ledger.history[-1]

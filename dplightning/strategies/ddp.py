@@ -106,6 +106,14 @@ class DPDDPStrategy(_DPHooks, DDPStrategy):
             )
 
     @override
+    def _all_ranks_agree(self, flag: bool) -> bool:
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.root_device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
+
+    @override
     def _bucket_reducer(self) -> BucketReducer | None:
         if self.world_size == 1:
             return None

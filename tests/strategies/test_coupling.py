@@ -251,3 +251,41 @@ def test_the_summary_is_taken_where_it_is_smaller_than_the_state_it_frees() -> N
     shared = torch.randn(4, 8, 16)  # q, k and v projections of one input keep it once
     grads = [Factored(shared, torch.randn(4, 8, 16), 16, torch.Size([16, 16])) for _ in range(3)]
     assert held_bytes(grads) == 4 * shared.numel() * 4
+
+
+class _Sizes:
+    """Batches of the given sizes in order (a batch sampler; its batch_size is the expected one)."""
+
+    batch_size = 2
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        start = 0
+        for size in self.sizes:
+            yield list(range(start, start + size))
+            start += size
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
+def test_the_probe_counts_only_batches_it_compared() -> None:
+    """Batches of one example compare nothing; the probe keeps going until two batches were compared (40.7)."""
+    x = _x(6)
+    data = DataLoader(TensorDataset(x, torch.arange(N) % 3), batch_sampler=_Sizes([1, 1, 3, 3, 4]))
+    module = LossOf(_mlp(), lambda net, x, y: (net(x) - net(x).mean(0)).square().sum() / max(len(x), 1))
+    with pytest.raises(RuntimeError, match="replacing the other examples of the batch changed the gradients"):
+        _fit(module, data, steps=6, poisson_sampling=False)
+    assert len(module.batches) == 3  # refused at the first batch with two examples or more
+
+
+def test_a_refusal_after_a_release_says_what_was_spent() -> None:
+    """Seed 11 draws Poisson batches of 1, 1, 2, ... examples: the probe first compares at the third step."""
+    data = DataLoader(TensorDataset(_x(6), torch.arange(N) % 3), batch_size=2)
+    module = LossOf(_mlp(), lambda net, x, y: (net(x) - net(x).mean(0)).square().sum() / max(len(x), 1))
+    with pytest.raises(RuntimeError) as refused:
+        _fit(module, data, steps=6, seed=11)
+    assert [len(y) for _, y in module.batches] == [1, 1, 2]
+    assert "had already released 2 noisy step(s) before this check refused" in "\n".join(refused.value.__notes__)
