@@ -285,19 +285,16 @@ class _DPHooks(Strategy):
         if self.private_step is not None:
             try:
                 self.private_step.after_backward()  # the checks that refuse a step run here
-            except Exception as err:
-                self._note_spent(err)
-                raise
-
-    def _note_spent(self, err: BaseException) -> None:
-        """Say in a refusal what the run had already released: a refusal after a release does not undo it."""
-        steps = self.dp_state.steps
-        if steps:
-            err.add_note(
-                f"This step was not released, but the run had already released {steps} noisy step(s) before this "
-                f"check refused; they stay spent (ε = {self.get_epsilon():.4g} at δ = {self.dp_state.delta:.3g}, "
-                "in the ledger and in any checkpoint written)."
-            )
+            except (RuntimeError, ValueError) as err:
+                steps = self.dp_state.steps
+                if not steps or type(err) not in (RuntimeError, ValueError):
+                    raise
+                # A refusal after a release does not undo it: say what the run had already spent.
+                raise type(err)(
+                    f"{err}\nThis step was not released, but the run had already released {steps} noisy step(s) "
+                    f"before this check refused; they stay spent (ε = {self.get_epsilon():.4g} at δ = "
+                    f"{self.dp_state.delta:.3g}, in the ledger and in any checkpoint written)."
+                ) from err
 
     @override
     def optimizer_step(
