@@ -65,7 +65,6 @@ def privacy_report(checkpoint: dict[str, Any]) -> dict[str, Any]:
         "clipping_engine": record.clipping_engine,
         "layer_engines": dict(record.layer_engines),
         "world_size": record.world_size,
-        "nonfinite_examples": record.nonfinite_examples,
         "global_step": checkpoint.get("global_step"),
         "versions": recorded,
         "versions_now": {k: v for k, v in now.items() if recorded.get(k) != v} if recorded else now,
@@ -112,7 +111,6 @@ def format_report(report: dict[str, Any]) -> str:
         ("clipping engine", f"{_fmt(report['clipping_engine'])} ({engines})"),
         ("world size", _fmt(report["world_size"])),
         ("secure mode / test seed", f"{_fmt(report['secure_mode'])} / {_fmt(report['seeded'])}{seeded}"),
-        ("non-finite examples", f"{_fmt(report['nonfinite_examples'])} (contributed zero)"),
         ("recorded versions", versions),
         ("installed now", changed or "the same"),
     ]

@@ -77,7 +77,9 @@ class PrivacyRecord:
         privacy_unit: The unit the data declares (``{description, window, stride, rows_per_unit}``).
         not_covered: What the data computed outside the DP steps: name -> text.
         layer_engines: The clipping engine of every hooked layer.
-        nonfinite_examples: Examples whose per-example gradient was not finite.
+        nonfinite_examples: Examples whose per-example gradient was not finite: read from records
+            written before this count was kept out of them (a raw count of the private data, not
+            released with noise); never written now.
         versions: Library versions the record was written with.
         run_id: Names the run's privacy journal (:mod:`dplightning.strategies.journal`).
     """

@@ -219,8 +219,7 @@ class _DPHooks(Strategy):
             world_size=self.world_size,
             rows_per_unit=self._rows_per_unit,
             **data_provenance(self._trainer, self._rows_per_unit),  # the data's privacy unit, not covered
-            layer_engines=dict(self._engines),
-            nonfinite_examples=self.dp_state.nonfinite_examples,
+            layer_engines=dict(self._engines),  # the count of non-finite examples stays out: a raw count of the data
             run_id=self._run_id,
         )
 

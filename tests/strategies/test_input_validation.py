@@ -161,3 +161,23 @@ def test_resuming_on_another_world_size_is_checked_like_another_batch_size() -> 
     one_rank.load_state_dict(two_ranks.state_dict())
     with pytest.raises(ValueError, match=r"another world size.*overspent"):
         one_rank.set_sampling(N, BATCH / N)
+
+
+def test_the_non_finite_count_stays_out_of_what_is_handed_on(tmp_path) -> None:
+    """One NaN example moved a raw count from 0 to 1 in the checkpoint and privacy-report (finding 51.A2)."""
+    from dplightning.export import load_checkpoint
+    from dplightning.report import format_report, privacy_report
+    from dplightning.strategies._dp import CHECKPOINT_KEY
+
+    data = make_dataset(N)
+    x, y = data.tensors[0].clone(), data.tensors[1]
+    x[5, 2] = float("nan")
+    trainer = make_trainer(dp(noise_multiplier=1.0, max_grad_norm=0.5), max_steps=1)
+    with pytest.warns(UserWarning, match=r"1 example\(s\) had a non-finite"):
+        trainer.fit(TinyModule(), DataLoader(TensorDataset(x, y), batch_size=N))
+    assert trainer.strategy.dp_state.nonfinite_examples == 1  # the user's own view of the run keeps it
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    checkpoint = load_checkpoint(tmp_path / "run.ckpt")
+    assert checkpoint[CHECKPOINT_KEY].get("nonfinite_examples") is None
+    report = privacy_report(checkpoint)
+    assert "nonfinite_examples" not in report and "non-finite" not in format_report(report)
