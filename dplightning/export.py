@@ -10,6 +10,7 @@ from dplightning.commands.export import (
     load_module,
     main,
     privacy_of,
+    task_class,
     unit_record,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "load_module",
     "main",
     "privacy_of",
+    "task_class",
     "unit_record",
 ]

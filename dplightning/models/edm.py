@@ -203,6 +203,11 @@ class EMA(nn.Module):
             shadow.sub_((1 - decay) * (shadow - params[name].detach()))
         return decay
 
+    @property
+    def dp_public_buffers(self) -> set[str]:
+        """The shadows and the update count: post-processing of the released weights, written between steps."""
+        return {*self._keys, "updates"}
+
     def shadow(self) -> dict[str, Tensor]:
         """``{parameter name: averaged value}``, for ``torch.func.functional_call``."""
         return {name: getattr(self, key) for name, key in zip(self.names, self._keys, strict=True)}

@@ -87,7 +87,7 @@ class PrivateStep:
         self.probing = False
         """Whether ``training_step`` is running on the coupling probe's batch (see strategies/coupling.py)."""
         self.hooks: PerExampleHooks | None = None
-        self.buffers = BufferWatch(module, public_buffers(module))
+        self.buffers = BufferWatch(module, public_buffers(module), privatized=lambda: self.privatizer.params)
         self.plan()
 
     # ------------------------------------------------------------------ planning
@@ -231,6 +231,7 @@ class PrivateStep:
             self._suspended = [p for p in self.privatizer.params if p.requires_grad]
             for p in self._suspended:
                 p.requires_grad_(False)
+        self.buffers.deep = self.verification.active  # frozen weights' values on the verified steps only
         self.buffers.snapshot()
         try:
             with hooks.capture(units * rows_per_unit):
