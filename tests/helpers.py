@@ -157,7 +157,8 @@ def params_of(module: nn.Module) -> dict[str, Tensor]:
 class DumpRankState(pl.Callback):
     """Writes what each rank ended with to ``folder/rank{r}.pt`` (spawned ranks cannot return it).
 
-    Also counts ``torch.distributed.all_reduce`` calls made while training.
+    Also counts ``torch.distributed.all_reduce`` calls on floating-point tensors made while training
+    (gradient buckets; the ranks' integer agreements on a check's decision are not reductions of data).
     """
 
     def __init__(self, folder: str) -> None:
@@ -170,7 +171,8 @@ class DumpRankState(pl.Callback):
         original = dist.all_reduce
 
         def counting(*args: Any, **kwargs: Any) -> Any:
-            self.all_reduce_calls += 1
+            tensor = args[0] if args else kwargs.get("tensor")
+            self.all_reduce_calls += int(tensor is None or tensor.is_floating_point())
             return original(*args, **kwargs)
 
         dist.all_reduce = counting

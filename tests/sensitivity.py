@@ -47,6 +47,7 @@ FACTORS: dict[str, list[Any]] = {
     "control": ["plain", "cut", "limit_train_batches", "validation", "reload", "odd_max_steps"],
     "loss": ["per_example", "masked_token_mean"],
     "rate": [1.0, 0.5],
+    "precision": ["32-true", "bf16-mixed"],
 }
 """The harness' feature matrix (one process; the two-process cells are not in it yet)."""
 
@@ -193,7 +194,8 @@ def _strategy(cell: Mapping[str, Any], seed: int) -> dplightning.DPStrategy:
 
 def _trainer_kwargs(cell: Mapping[str, Any]) -> dict[str, Any]:
     k, control = cell["accumulation"], cell["control"]
-    kwargs: dict[str, Any] = dict(max_epochs=6, max_steps=-1, accumulate_grad_batches=k, limit_val_batches=0)
+    kwargs: dict[str, Any] = dict(max_epochs=6, max_steps=-1, accumulate_grad_batches=k, limit_val_batches=0,
+                                  precision=cell.get("precision", "32-true"))  # fmt: skip
     if control == "limit_train_batches":
         kwargs["limit_train_batches"] = 2 * k
     elif control == "validation":

@@ -83,6 +83,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.shard = torch.arange(rank, num_samples, world_size)
         self.epoch = 0
         self._iterations = 0
+        self.scheduled: deque[tuple[int | None, list[int]]] = deque()
+        """Each yielded batch not yet taken, oldest first, as (its release index under cyclic sampling, else
+        ``None``; its data set indices); cleared when an iteration begins."""
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.micro_batches
@@ -127,10 +130,26 @@ class PoissonBatchSampler(Sampler[list[int]]):
             else derive_seed(self.seed, "sample", self.rank, self.epoch, self._iterations)
         )
         generator = torch.Generator().manual_seed(seed)
+        self.scheduled.clear()  # what the previous iteration yielded ahead was never trained on
         for _ in range(self.steps_per_epoch):
             chosen = self.shard[self._sample(generator)]
             for part in torch.tensor_split(chosen, self.micro_batches):
-                yield part.tolist()
+                indices = part.tolist()
+                self.scheduled.append((None, indices))
+                yield indices
+
+    def take(self) -> tuple[int | None, list[int]]:
+        """The oldest yielded batch not yet taken: (its release index, or ``None``; its data set indices).
+
+        Call once per training batch: the strategy learns which examples a batch holds (the
+        coupling probe re-collates one alone) and, under cyclic sampling, which release it was drawn for.
+
+        Raises:
+            RuntimeError: If no yielded batch is waiting (a batch that did not come from this sampler).
+        """
+        if not self.scheduled:
+            raise RuntimeError("A training batch arrived that the Poisson sampler did not yield.")
+        return self.scheduled.popleft()
 
 
 def cyclic_partitions(num_samples: int, partitions: int, seed: int) -> list[Tensor]:
@@ -199,8 +218,6 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         self.steps_per_epoch = partitions * steps_per_epoch(sample_rate)
         self.position = position
         self._yielded_steps = 0
-        self.scheduled: deque[int] = deque()
-        """The release index of each yielded batch not yet taken, oldest first (cleared when an iteration begins)."""
 
     def __iter__(self) -> Iterator[list[int]]:
         self._iterations += 1
@@ -217,18 +234,9 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
             chosen = part[self._sample(generator, len(part))]
             self._yielded_steps = step + 1
             for piece in torch.tensor_split(chosen, self.micro_batches):
-                self.scheduled.append(step)
-                yield piece.tolist()
-
-    def take(self) -> int:
-        """The release index the oldest yielded batch was sampled for (call once per training batch).
-
-        Raises:
-            RuntimeError: If no yielded batch is waiting (a batch that did not come from this sampler).
-        """
-        if not self.scheduled:
-            raise RuntimeError("A training batch arrived that the cyclic sampler did not yield.")
-        return self.scheduled.popleft()
+                indices = piece.tolist()
+                self.scheduled.append((step, indices))
+                yield indices
 
 
 class EmptySafeCollate:

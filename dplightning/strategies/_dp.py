@@ -55,6 +55,7 @@ from dplightning.privacy.mechanism import BucketReducer, MicroBatchStats
 from dplightning.privacy.noise import GaussianNoise, derive_seed
 from dplightning.privacy.poisson import (
     CyclicPoissonBatchSampler,
+    PoissonBatchSampler,
     PoissonDataLoader,
     batch_rows,
     check_poisson_compatible,
@@ -69,7 +70,16 @@ from dplightning.strategies.accounting import PrivacyAccounting, mechanism_of
 from dplightning.strategies.checkpoint import DPCheckpointIO
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.correlated import build_strategy, describe_workload, strategy_sensitivity, workload_of
-from dplightning.strategies.coupling import CouplingProbe, probe_batch, quietly, rng_state, step_loss
+from dplightning.strategies.coupling import (
+    AloneProbe,
+    CouplingProbe,
+    evaluating,
+    probe_batch,
+    quietly,
+    rng_state,
+    row_shapes_differ,
+    step_loss,
+)
 from dplightning.strategies.engine_report import report_engines
 from dplightning.strategies.journal import PrivacyJournal
 from dplightning.strategies.private_logging import watch_private_logs
@@ -129,7 +139,9 @@ class _DPHooks(Strategy):
         self._probe_compared_step = False  # whether this step's probe compared two units or more here
         self._partition_seed: int | None = None  # secret seed of the cyclic sampler's split, one per run
         self._cyclic_dataset: tuple[object, int] | None = None  # the data set the split was drawn over, and its N
-        self._cyclic_sampler: CyclicPoissonBatchSampler | None = None
+        self._sampler: PoissonBatchSampler | None = None  # the train loader's Poisson sampler
+        self._train_loader: DataLoader | None = None
+        self._batch_indices: list[int] = []  # the data set indices of the batch in training_step now
 
     # ------------------------------------------------------------------ public API
 
@@ -547,6 +559,7 @@ class _DPHooks(Strategy):
             seed=self.dp_config.seed,
             secure_mode=self.dp_config.secure_mode,
         )
+        self._sampler, self._train_loader = loader.batch_sampler, loader
         per_epoch = steps_per_epoch_run(trainer, len(loader))
         self.accounting.plan(planned_steps(trainer, per_epoch))
         return loader
@@ -580,7 +593,7 @@ class _DPHooks(Strategy):
             secure_mode=self.dp_config.secure_mode,
             position=lambda: self.dp_state.steps,
         )
-        self._cyclic_sampler = cast(CyclicPoissonBatchSampler, loader.batch_sampler)
+        self._sampler, self._train_loader = loader.batch_sampler, loader
         per_epoch = steps_per_epoch_run(trainer, len(loader))
         if per_epoch % partitions:
             raise ValueError(
@@ -656,7 +669,7 @@ class _DPHooks(Strategy):
                 "Under DP, manual optimization must call opt.step() exactly once per training batch, after its "
                 "backward passes; the previous batch ran manual_backward without an opt.step() after it."
             )
-        self._check_cyclic_position()
+        self._take_sampled_batch()
         units = _batch_units(module, args[0] if args else kwargs.get("batch"))
         self._batches_since_release += 1
         # Empty Poisson batches run training_step too: under dp_ddp every rank must reach the same
@@ -678,13 +691,15 @@ class _DPHooks(Strategy):
                 ) from err
             raise
 
-    def _check_cyclic_position(self) -> None:
-        """Refuse a batch that the cyclic sampler drew for another release than the one it joins."""
-        sampler = self._cyclic_sampler
+    def _take_sampled_batch(self) -> None:
+        """Learn which examples the batch holds; refuse one the cyclic sampler drew for another release."""
+        sampler = self._sampler
         if sampler is None:
+            self._batch_indices = []
             return
-        drawn, joins = sampler.take(), self.dp_state.steps
-        if drawn != joins:
+        drawn, self._batch_indices = sampler.take()
+        joins = self.dp_state.steps
+        if isinstance(sampler, CyclicPoissonBatchSampler) and drawn is not None and drawn != joins:
             raise RuntimeError(
                 f"This batch was sampled from part {drawn % sampler.partitions} for release {drawn}, but it joins "
                 f"release {joins} (part {joins % sampler.partitions}): an example could participate twice within "
@@ -723,6 +738,7 @@ class _DPHooks(Strategy):
         if units < 2 and self.world_size == 1:
             return None
         self._probe_compared_step |= units >= 2
+        original_args, original_kwargs = args, kwargs
         if args:
             probe, kept = probe_batch(args[0], units)
             args = (probe, *args[1:])
@@ -730,12 +746,46 @@ class _DPHooks(Strategy):
             probe, kept = probe_batch(kwargs["batch"], units)
             kwargs = {**kwargs, "batch": probe}
         parent_step = super().training_step
+        alone = self._alone_probe(units, original_args, original_kwargs)
 
         def run() -> Tensor | None:
             with quietly(module):
                 return step_loss(parent_step(*args, **kwargs))
 
-        return CouplingProbe(run, kept, rng_state())
+        return CouplingProbe(run, kept, rng_state(), alone)
+
+    def _alone_probe(self, units: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AloneProbe | None:
+        """The shape probe of a batch: its first unit whose shape changes when collated alone, if any.
+
+        Needs the data set indices of the batch (a Poisson loader's) and one row per unit. A batch
+        whose every unit keeps its shape alone (fixed-size data) cannot couple through its shape.
+        """
+        module, loader = known(self.lightning_module, "the LightningModule"), self._train_loader
+        if loader is None or len(self._batch_indices) != units or units < 2 or _rows_per_unit(module) != 1:
+            return None
+        batch = args[0] if args else kwargs["batch"]
+        # The unit whose shape alone is the smallest: the farther from the batch's, the larger a shape coupling.
+        shapes = []
+        for position, index in enumerate(self._batch_indices):
+            single = loader.collate_fn([loader.dataset[index]])
+            if row_shapes_differ(batch, single, units):
+                shapes.append((_numel(single), position, single))
+        if not shapes:
+            return None
+        _, position, single = min(shapes, key=lambda item: item[:2])
+        alone = self.batch_to_device(single)
+        parent_step = super().training_step
+        alone_args, alone_kwargs = ((alone, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": alone})
+
+        def in_batch() -> Tensor | None:
+            with quietly(module), evaluating(module):
+                return step_loss(parent_step(*args, **kwargs))
+
+        def by_itself() -> Tensor | None:
+            with quietly(module), evaluating(module):
+                return step_loss(parent_step(*alone_args, **alone_kwargs))
+
+        return AloneProbe(in_batch, by_itself, position)
 
     def _private_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         if self.private_step is None:
@@ -871,6 +921,11 @@ def _dataset_size(dataloader: DataLoader) -> int:
     if n == 0:
         raise ValueError("The train dataset is empty (N = 0): there is nothing to train on and q is undefined.")
     return n
+
+
+def _numel(batch: Any) -> int:
+    """Elements in the tensors of ``batch``."""
+    return sum(t.numel() for t in tree_flatten(batch)[0] if isinstance(t, Tensor))
 
 
 def _batch_units(module: nn.Module, batch: Any) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from dplightning._state import known
@@ -37,13 +37,16 @@ from dplightning.protocols import DPPlan, DPPlanned, DPRelease
 from dplightning.strategies.accumulation import ManualAccumulation
 from dplightning.strategies.config import DPConfig
 from dplightning.strategies.coupling import (
+    AloneProbe,
     CouplingProbe,
     GradientSummary,
+    alone_tolerance,
     coupled_parameters,
     rng_state,
     set_rng_state,
     summarize,
     summary_pays,
+    unit_gradient_gap,
 )
 from dplightning.strategies.replay import ClipReplay
 from dplightning.strategies.verification import GradientVerification
@@ -368,6 +371,8 @@ class PrivateStep:
             self._drop_weight_grads()  # the probe's backward wrote them again (verified steps)
         if units < 2 or loss is None:
             return
+        if probe.alone is not None:
+            self._check_alone(probe.alone, probe.rng, units)
         differing = coupled_parameters(real, replayed, probe.kept)
         if differing:
             names = {p: n for n, p in self.module.named_parameters()}
@@ -384,6 +389,37 @@ class PrivateStep:
                 "'The per-example loss contract'). If the batch holds a tensor whose first dimension equals the "
                 "batch size but is not one row per example (a table shared by the batch), pass it another way. "
                 "Nothing was updated."
+            )
+
+    def _check_alone(self, alone: AloneProbe, rng: tuple[Tensor, list[Tensor]], units: int) -> None:
+        """Refuse if one unit's gradient in the batch differs from its gradient collated alone (strategies/coupling.py)."""
+        hooks = known(self.hooks, "the per-example hooks")
+        passes = []
+        after = rng_state()
+        for run, rows in ((alone.in_batch, units), (alone.alone, 1)):
+            set_rng_state(rng)
+            self.probing = True
+            try:
+                with hooks.capture(rows * self._rows_per_unit):
+                    loss = run()
+                if loss is not None and loss.requires_grad:
+                    (loss / self._loss_divisor).backward()
+            finally:
+                self.probing = False
+                passes.append(hooks.pop(self._rows_per_unit))
+                set_rng_state(after)
+                self._drop_weight_grads()
+        scales = (self._scale, float(self._loss_divisor))  # each unit's own gradient, in the batch and alone
+        gap = unit_gradient_gap(passes[0], passes[1], alone.position, scales)
+        if gap > alone_tolerance(*passes):
+            raise RuntimeError(
+                f"An example's gradient changed when it was collated alone instead of in its batch (relative "
+                f"difference {gap:.2g}): the loss or the model depends on the batch's padded shape, e.g. a mean over "
+                "the padded grid ((per_token * mask).mean() divides by n x T_max) or mean pooling over padded steps. "
+                "Then the longest example of a batch "
+                "changes every other example's gradient, which per-example clipping does not bound. Reduce each "
+                "example over its own valid positions ((per_token * mask).sum(1) / mask.sum(1)), then over the "
+                "batch. Nothing was updated."
             )
 
     # ------------------------------------------------------------------ the release

@@ -289,3 +289,64 @@ def test_a_refusal_after_a_release_says_what_was_spent() -> None:
         _fit(module, data, steps=6, seed=11)
     assert [len(y) for _, y in module.batches] == [1, 1, 2]
     assert "had already released 2 noisy step(s) before this check refused" in str(refused.value)
+
+
+class _Sequences(torch.utils.data.Dataset):
+    """Sequences of 1..5 tokens of 6 features, padded by the collate to the batch's longest (dynamic padding)."""
+
+    def __init__(self, n: int = 16) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.items = [(torch.randn(int(torch.randint(1, 6, (1,), generator=g)), 6, generator=g), i % 3)
+                      for i in range(n)]  # fmt: skip
+        self.items[0] = (self.items[0][0][:1], 0)  # a short one and a long one are always among them
+        self.items[1] = (torch.randn(5, 6, generator=g), 1)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        return self.items[i]
+
+
+def _pad(items):  # type: ignore[no-untyped-def]
+    length = max(x.shape[0] for x, _ in items)
+    x = torch.zeros(len(items), length, 6)
+    mask = torch.zeros(len(items), length)
+    for i, (xi, _) in enumerate(items):
+        x[i, : len(xi)], mask[i, : len(xi)] = xi, 1.0
+    return x, mask, torch.tensor([y for _, y in items])
+
+
+class _Tokens(TinyModule):
+    """Per-token cross-entropy over padded sequences, reduced as ``form`` says (dropout on: eval-mode probe)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__(net=nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Dropout(0.2), nn.Linear(5, 3)), lr=0.5)
+        self.form = form
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:  # type: ignore[no-untyped-def]
+        x, mask, y = batch
+        out = self.net(x)  # [n, T, 3]
+        per_token = F.cross_entropy(out.transpose(1, 2), y[:, None].expand(mask.shape), reduction="none")
+        if self.form == "padded_grid_mean":
+            return (per_token * mask).mean()  # divides by n x T_max: the longest example scales every gradient
+        if self.form == "mean_pooling_over_padding":
+            return F.cross_entropy(out.mean(1), y)  # pools the padded steps too
+        return ((per_token * mask).sum(1) / mask.sum(1)).mean()  # per example over its own tokens
+
+
+@pytest.mark.parametrize("form", ["padded_grid_mean", "mean_pooling_over_padding"])
+def test_a_loss_that_depends_on_the_padded_shape_is_refused(form: str) -> None:
+    """The swap probe keeps the batch's shape; a unit collated alone does not (finding 40.4: 6.95 C)."""
+    module = _Tokens(form)
+    before = params_of(module)
+    data = DataLoader(_Sequences(), batch_size=8, collate_fn=_pad)
+    with pytest.raises(RuntimeError, match="changed when it was collated alone"):
+        _fit(module, data, steps=3, seed=1)
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+
+
+def test_a_per_example_masked_mean_over_padded_batches_trains() -> None:
+    module = _Tokens("masked_mean_per_example")
+    _fit(module, DataLoader(_Sequences(), batch_size=8, collate_fn=_pad), steps=3, seed=1)
