@@ -291,13 +291,17 @@ def verify_per_example_sum(
     grads: Mapping[nn.Parameter, PerExampleGrad],
     per_row: float = 1.0,
     transforms: Mapping[nn.Parameter, SlotTransform] | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> list[tuple[nn.Parameter, float]]:
     """Parameters whose autograd gradient ``p.grad`` is not ``per_row`` x the sum of their per-example gradients.
 
     The tolerance is relative to s_p = ‖p.grad‖ + per_row · Σ_i ‖g_i‖, which bounds the
-    rounding error of either sum: 1e-3 in fp32, 5e-2 when either side is in 16-bit, times
-    max(s_p, 10⁻³·‖s‖) so that a parameter whose gradient is zero up to rounding (a key bias
-    under softmax) is not judged by its own noise. Parameters with a non-finite side are
+    rounding error of either sum: 1e-3 in fp32, 5e-2 (6.4 ulp of bf16) when the backward pass
+    ran in 16 bits, times max(s_p, 10⁻³·‖s‖) so that a parameter whose gradient is zero up to
+    rounding (a key bias under softmax) is not judged by its own noise. The precision is the
+    one the computation ran in (``compute_dtype``, e.g. bf16 under ``bf16-mixed``), else either
+    side's dtype: an fp32 tensor computed from bf16 activations (a projected gradient, an fp32
+    parameter's gradient under autocast) carries bf16's error. Parameters with a non-finite side are
     skipped (their examples are dropped and counted by the mechanism). A transformed
     parameter is compared in its slot's coordinates (the transforms are linear).
 
@@ -322,7 +326,11 @@ def verify_per_example_sum(
             expected = torch.zeros(grad.shape, device=p.device)  # type: ignore[union-attr]
             spread = expected.new_zeros(())
         actual = grad.float() if grad is not None else torch.zeros_like(expected)
-        low = (g is not None and g.dtype in _LOW_PRECISION) or (grad is not None and grad.dtype in _LOW_PRECISION)
+        low = (
+            compute_dtype in _LOW_PRECISION
+            or (g is not None and g.dtype in _LOW_PRECISION)
+            or (grad is not None and grad.dtype in _LOW_PRECISION)
+        )
         checked.append(p)
         errors.append(torch.linalg.vector_norm(actual - expected.view(actual.shape)))
         scales.append(torch.linalg.vector_norm(actual) + spread)

@@ -425,7 +425,8 @@ class _DPHooks(Strategy):
             noise = CorrelatedBucketNoise(self.dp_config.seed, self.global_rank, self.dp_config.secure_mode)
         else:
             noise = GaussianNoise(self.dp_config.seed, rank=self.global_rank, secure_mode=self.dp_config.secure_mode)
-        step = self._fit.step = PrivateStep(self.dp_config, module, self.optimizers[0], noise)
+        step = self._fit.step = PrivateStep(self.dp_config, module, self.optimizers[0], noise, _compute_dtype(trainer))
+        step.agree = self._all_ranks_agree
         self._engines = step.engines()
         self._engine_table = step.summary()
         report_engines(self._engine_table, list(self._engines.values()), trainer, self.is_global_zero)
@@ -921,6 +922,14 @@ def _dataset_size(dataloader: DataLoader) -> int:
     if n == 0:
         raise ValueError("The train dataset is empty (N = 0): there is nothing to train on and q is undefined.")
     return n
+
+
+def _compute_dtype(trainer: pl.Trainer) -> torch.dtype:
+    """The precision the backward passes run in: 16 bits under a 16-bit precision setting, else fp32."""
+    precision = str(trainer.precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return torch.float16 if precision.startswith("16") else torch.float32
 
 
 def _numel(batch: Any) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -61,10 +62,16 @@ class PrivateStep:
         optimizer: Its single optimizer; its trainable parameters are privatized.
         noise: This rank's noise source: independent Gaussian, or the correlated noise of a
             matrix-factorization mechanism (one stream per bucket).
+        compute_dtype: The precision the backward passes run in (bf16 under ``bf16-mixed``).
     """
 
     def __init__(
-        self, config: DPConfig, module: nn.Module, optimizer: Optimizer, noise: GaussianNoise | CorrelatedBucketNoise
+        self,
+        config: DPConfig,
+        module: nn.Module,
+        optimizer: Optimizer,
+        noise: GaussianNoise | CorrelatedBucketNoise,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.module = module
@@ -74,7 +81,9 @@ class PrivateStep:
         self.nonfinite_examples = 0
         self._stats: list[MicroBatchStats] = []
         self.accumulation = ManualAccumulation()
-        self.verification = GradientVerification(config.verify_gradients)
+        self.verification = GradientVerification(config.verify_gradients, compute_dtype)
+        self.agree: Callable[[bool], bool] = lambda flag: flag
+        """Whether a flag holds on every rank (the strategy's collective): the ranks decide every check together."""
         self._automatic = True
         self._scale = 1.0
         self._early = False
@@ -282,8 +291,27 @@ class PrivateStep:
         """Take the per-example gradients of one backward pass; drop autograd's raw gradient.
 
         Under automatic optimization the pass covers a whole micro-batch and is clipped now; under
-        manual optimization it is summed with the batch's other passes until the release.
+        manual optimization it is summed with the batch's other passes until the release. On the
+        steps the gradient verification or the coupling probe checks, the ranks agree on the
+        decision (one collective): every rank refuses if one does, none is left waiting.
         """
+        checking = self.verification.active or self._probe is not None
+        failure: RuntimeError | None = None
+        try:
+            self._take_backward()
+        except RuntimeError as err:
+            failure = err
+        if checking and not self.agree(failure is None) and failure is None:
+            self.privatizer.discard()
+            self._stats.clear()
+            failure = RuntimeError(
+                "Another process refused this step (its gradient verification or coupling probe failed; its error "
+                "names the cause). Every process stops here, before the release. Nothing of this step was released."
+            )
+        if failure is not None:
+            raise failure
+
+    def _take_backward(self) -> None:
         hooks = known(self.hooks, "the per-example hooks")
         self.buffers.check("training_step and its backward pass")
         automatic, scale = self._automatic, self._scale
@@ -448,7 +476,7 @@ class PrivateStep:
         accumulated = self.accumulation.take()
         if accumulated is not None:
             self._clip(*accumulated)
-        self.verification.step_done()
+        self.verification.step_done(self.agree)
         self.noise.start_step(step)
         self.privatizer.release(self.noise, local_noise_std, expected_batch_size, reduce, spec=spec)
         if isinstance(self.optimizer, DPPlanned):

@@ -9,8 +9,9 @@ run is refused before anything is released.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from dplightning.privacy.grad_sample import PerExampleGrad, SlotTransform
@@ -31,8 +32,10 @@ class GradientVerification:
         mode: ``verify_gradients``: ``"first_steps"``, ``"always"`` or ``"never"``.
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, compute_dtype: torch.dtype | None = None) -> None:
         self.mode = mode
+        self.compute_dtype = compute_dtype
+        """The precision the backward passes run in (bf16 under ``bf16-mixed``): it sets the tolerance."""
         self._left = 0  # checked steps still to come under "first_steps"
         self._saw_rows = False  # whether the current step checked a batch with rows
         self.restart()
@@ -66,7 +69,7 @@ class GradientVerification:
         Raises:
             RuntimeError: If a parameter's gradient differs from the sum of its per-example gradients.
         """
-        mismatched = verify_per_example_sum(params, grads, 1.0, transforms)
+        mismatched = verify_per_example_sum(params, grads, 1.0, transforms, self.compute_dtype)
         if units:
             self._saw_rows = True
         if mismatched:
@@ -81,8 +84,13 @@ class GradientVerification:
                 "(verify_gradients='never' turns this check off.)"
             )
 
-    def step_done(self) -> None:
-        """End the step at its release: a step that checked a batch with rows counts as one checked step."""
-        if self._left and self._saw_rows:
+    def step_done(self, agree: Callable[[bool], bool] = lambda flag: flag) -> None:
+        """End the step at its release: a step that checked a batch with rows counts as one checked step.
+
+        Args:
+            agree: Whether a flag holds on every rank (one collective): the ranks count the same
+                steps, so that they check, and agree on a check's decision, on the same steps.
+        """
+        if self._left and agree(self._saw_rows):
             self._left -= 1
         self._saw_rows = False

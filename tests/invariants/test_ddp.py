@@ -182,3 +182,24 @@ def test_ranks_with_different_data_set_lengths_are_refused(tmp_path) -> None:
     with pytest.raises(Exception, match="disagree on.*num_samples"):
         run_ddp(_ShardPerRank(), None, str(tmp_path), noise_multiplier=1.0, max_steps=2,
                 use_distributed_sampler=False, timeout=timedelta(seconds=30))  # fmt: skip
+
+
+class _PenaltyOnRankOne(TinyModule):
+    """Rank 1 adds a weight penalty in training_step (it bypasses the hooks): only its verification fails."""
+
+    def training_step(self, batch, batch_idx: int):  # type: ignore[no-untyped-def]
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_rank == 1:
+            loss = loss + 0.1 * self.net[0].weight.square().sum()
+        return loss
+
+
+def test_a_check_that_one_rank_refuses_stops_every_rank(tmp_path) -> None:
+    """The ranks decide a check's outcome together: no rank is left waiting in the release (finding 51.A5a)."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(Exception, match="Autograd's gradient differs|Another process refused this step"):
+        run_ddp(_PenaltyOnRankOne(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=1.0,
+                max_steps=2, timeout=timedelta(seconds=150))  # fmt: skip
+    assert time.monotonic() - start < 100  # not the process group's timeout: rank 0 refused too
