@@ -503,8 +503,10 @@ class _DPHooks(Strategy):
         if mechanism.correlated:
             raise ValueError(
                 f"The checkpoint {trainer.ckpt_path} was trained with noise_mechanism={mechanism.name!r}, which "
-                "cannot be resumed: its secret noise state is not in the checkpoint. Fine-tune from its weights in a "
-                "new run instead (load them with model.load_state_dict(torch.load(path)['state_dict']))."
+                "cannot be resumed: its secret noise state is not in the checkpoint. Start again from step 0. Fine-"
+                "tuning from its weights in a new run starts a new ledger: on the same data, the new run's ε does "
+                "not include the first run's (compose the two yourself, e.g. add their ε at the same δ split, and "
+                "state both), and privacy-report and export of the new run show only its own."
             )
         self.accounting.restore(record)
         self._run_id = record.run_id or self._run_id
