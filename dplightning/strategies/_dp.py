@@ -838,6 +838,17 @@ class _DPHooks(Strategy):
         # automatic optimization (k micro-batches = one Poisson batch); a manual loop must step once per batch.
         module = known(self.lightning_module, "the LightningModule")
         batches, self._batches_since_release = self._batches_since_release, 0
+        k = known(self._trainer, "the Trainer").accumulate_grad_batches
+        if module.automatic_optimization and self.dp_config.poisson_sampling and batches != k:
+            known(self.private_step, "the private step").discard()
+            raise RuntimeError(
+                f"This release covers {batches} of the {k} micro-batches of one Poisson batch "
+                f"(accumulate_grad_batches={k}): Lightning would release part of a logical batch as a whole one, "
+                "which the accountant does not cover. This happens when a run resumes under accumulation from a "
+                "checkpoint written between the micro-batches of a step (Trainer.save_checkpoint after fit "
+                "returned, or in the middle of an accumulation): resume from a checkpoint that ModelCheckpoint wrote "
+                "at a step's end, or with accumulate_grad_batches=1. Nothing of this step was released."
+            )
         if not module.automatic_optimization and batches != 1:
             raise RuntimeError(
                 f"Under DP, manual optimization must call opt.step() exactly once per training batch; this step "
