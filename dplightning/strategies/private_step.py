@@ -232,8 +232,9 @@ class PrivateStep:
         # From the captured gradients of the backpropagated loss to each unit's own gradient.
         self._scale = float(loss_divisor) * (float(units) if self.config.loss_reduction == "mean" and units else 1.0)
         # Per-layer groups are clipped as soon as their layer's backward is done (their inputs and
-        # output gradients are then freed), under automatic optimization outside verification.
-        self._early = automatic and not self.verification.active
+        # output gradients are then freed), under automatic optimization outside verification and
+        # the coupling probe (both compare the pass' per-example gradients after it).
+        self._early = automatic and not self.verification.active and probe is None
         self._replay = None
         if self.config.clip_replay and self._early and probe is None and self._has_spanning:
             self._replay = ClipReplay(self.privatizer, hooks, self._streamable, rows_per_unit, self._scale)

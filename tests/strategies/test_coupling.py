@@ -350,3 +350,13 @@ def test_a_loss_that_depends_on_the_padded_shape_is_refused(form: str) -> None:
 def test_a_per_example_masked_mean_over_padded_batches_trains() -> None:
     module = _Tokens("masked_mean_per_example")
     _fit(module, DataLoader(_Sequences(), batch_size=8, collate_fn=_pad), steps=3, seed=1)
+
+
+@pytest.mark.parametrize("clipping", ["per_layer", "flat"])
+def test_a_probe_after_the_verified_steps_sees_the_whole_pass(clipping: str) -> None:
+    """Steps of one example use up the verification but not the probe; the later probe must not meet early
+    per-layer clipping, which takes the per-example gradients before it compares (the harness found it)."""
+    data = DataLoader(TensorDataset(_x(6), torch.arange(N) % 3), batch_sampler=_Sizes([1, 1, 3, 3, 4]))
+    module = LossOf(_mlp(), lambda net, x, y: F.cross_entropy(net(x), y))
+    _fit(module, data, steps=5, poisson_sampling=False, clipping=clipping)
+    assert len(module.batches) == 5
