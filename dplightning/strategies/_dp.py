@@ -23,6 +23,7 @@ to its own submodules, so ``state_dict`` keys are unchanged.
 from __future__ import annotations
 
 import math
+import pickle
 import secrets
 import uuid
 import warnings
@@ -437,6 +438,7 @@ class _DPHooks(Strategy):
         self._probes_compared, self._probe_compared_step = 0, False  # the coupling probe runs anew in every fit
         self._batches_since_release = 0  # a fit that ended mid-accumulation left its count; its buckets are gone
         self._restore_dp_state(trainer)
+        self._init_from(trainer, module)
         # Not at import: dplightning.callbacks loads the data package, which `import dplightning` does not need.
         from dplightning.callbacks.progress import EpsilonProgress, NonfiniteCount, OptimizerMetrics
 
@@ -504,13 +506,48 @@ class _DPHooks(Strategy):
             raise ValueError(
                 f"The checkpoint {trainer.ckpt_path} was trained with noise_mechanism={mechanism.name!r}, which "
                 "cannot be resumed: its secret noise state is not in the checkpoint. Start again from step 0. Fine-"
-                "tuning from its weights in a new run starts a new ledger: on the same data, the new run's ε does "
-                "not include the first run's (compose the two yourself, e.g. add their ε at the same δ split, and "
-                "state both), and privacy-report and export of the new run show only its own."
+                "tuning from its weights in a new run starts a new ledger, and on the same data the new run's ε does "
+                "not include the first run's: start it with init_from=<this checkpoint> (its ledger becomes the "
+                "prior segment of the new run's, so ε, privacy-report and export cover both)."
             )
         self.accounting.restore(record)
         self._run_id = record.run_id or self._run_id
         self._charge_journaled_steps()
+
+    def _init_from(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Start from an earlier run's checkpoint: its weights, and its ledger as a prior segment of this one.
+
+        Fine-tuning a private model on the same data is a composition of the two runs: the new
+        ledger must begin with the earlier one's steps, or the new checkpoint would claim only
+        its own ε. Skipped when resuming (the resumed ledger holds the prior already).
+        """
+        path = self.dp_config.init_from
+        if path is None or trainer.ckpt_path is not None or self.accounting.ledger.steps:
+            return
+        try:  # never a full unpickle: the file may come from someone else
+            checkpoint = self.checkpoint_io.load_checkpoint(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"init_from={path!r} pickles objects other than tensors and plain containers, and it is loaded "
+                "without running code from the file (torch.load weights_only=True). Save the earlier run's module "
+                f"without such hyperparameters. ({err})"
+            ) from err
+        try:
+            record = PrivacyRecord.from_checkpoint(checkpoint)
+        except ValueError as err:
+            raise ValueError(
+                f"init_from={path!r} has no privacy record: it was not written by a DP strategy, so there is no ledger "
+                "to carry. Load public weights with model.load_state_dict(...) instead (no prior privacy cost)."
+            ) from err
+        if record.poisson_sampling is False:
+            raise ValueError(f"init_from={path!r} was trained without Poisson sampling (ε = ∞): nothing to compose.")
+        module.load_state_dict(checkpoint["state_dict"])
+        for sigma, q, steps in record.history:
+            self.accounting.ledger.step(sigma, q, steps)
+        rank_zero_info(
+            f"init_from={path}: weights loaded; its ledger ({record.steps} step(s), history {list(record.history)}) "
+            "is the prior segment of this run's, so ε covers both runs."
+        )
 
     def _journal(self) -> PrivacyJournal | None:
         folder = self.dp_config.privacy_journal

@@ -79,6 +79,10 @@ _DOCS = {
     "cyclic_partitions": "Partitions of the cyclic Poisson sampler of a correlated noise mechanism: the data are "
     "split into this many fixed partitions and step t samples partition t mod it, so an example participates at "
     'most once every that many steps. Default: ``bands`` for ``"band_mf"``; required for ``"blt"``.',
+    "init_from": "A checkpoint of an earlier DP run to start from: its weights are loaded at the start of fit and "
+    "its privacy ledger is carried as a prior segment, so ε composes over both runs (fine-tuning a private model "
+    "on the same data). Read without running code from the file. Ignored when resuming (the resumed ledger holds "
+    "the prior already). Not with ``target_epsilon`` (σ would be calibrated as if the run started from nothing).",
     "noise_placement": '``"rank0"`` (default): rank 0 adds all the noise, so a test can regenerate it exactly; '
     '``"split"``: each rank adds N(0, (σΔ)²/W) from its own generator, which balances the work of drawing noise.',
 }
@@ -109,9 +113,16 @@ class DPConfig:
     bands: int | None = None
     blt_buffers: int | None = None
     cyclic_partitions: int | None = None
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         self._check_noise()
+        if self.init_from is not None and self.target_epsilon is not None:
+            raise ValueError(
+                "init_from carries the earlier run's ledger, and target_epsilon would calibrate σ as if this run "
+                "started from nothing: give noise_multiplier (and stop at a budget with PrivacyBudget), or train "
+                "without init_from."
+            )
         if not self.max_grad_norm > 0 or not math.isfinite(self.max_grad_norm):
             raise ValueError(f"max_grad_norm (the clipping bound C) must be finite and > 0, got {self.max_grad_norm}.")
         if self.delta is not None and not 0 < self.delta < 1:

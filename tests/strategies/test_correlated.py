@@ -399,8 +399,8 @@ def test_the_secret_noise_state_is_never_in_the_checkpoint_and_resume_is_refused
         make_trainer(strategy(noise_multiplier=1.0), max_steps=6).fit(
             TinyModule(), loader(make_dataset(N), BATCH), ckpt_path=ckpt
         )
-    # Finding 40.8: the advice to fine-tune in a new run must say that its ε leaves the first run's out.
-    assert "does not include the first run's" in str(refused.value)
+    # Finding 40.8: the advice to fine-tune in a new run must compose the runs.
+    assert "does not include the first run's" in str(refused.value) and "init_from=" in str(refused.value)
 
 
 def test_a_ledger_short_of_its_cycles_is_refused(tmp_path) -> None:
