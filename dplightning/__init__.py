@@ -8,8 +8,12 @@ the same names as clear refusals (:mod:`dplightning._pytorch_lightning`).
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from dplightning._pytorch_lightning import register_refusals
-from dplightning.strategies import DPDDPStrategy, DPStrategy
+from dplightning._quiet_imports import opacus_without_root_logging
+
+opacus_without_root_logging()  # before anything below imports Opacus
+
+from dplightning._pytorch_lightning import register_refusals  # noqa: E402
+from dplightning.strategies import DPDDPStrategy, DPStrategy  # noqa: E402
 
 __version__ = "0.1.0"
 
