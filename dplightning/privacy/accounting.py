@@ -259,6 +259,8 @@ class PrivacyLedger:
             raise ValueError(f"grid_ratio must be > 1, got {grid_ratio}.")
         self.grid_ratio = grid_ratio
         self.grid_min_gap = grid_min_gap
+        self.grid_end: int | None = None
+        """The planned total of steps, if known: a grid point, so the bound is exact when the run ends."""
         """Fewest steps between grid points (a strategy sets about 1% of the planned run)."""
         self._history: list[Segment] = []
         self._exact: OrderedDict[tuple[tuple[Segment, ...], float], float] = OrderedDict()
@@ -303,7 +305,11 @@ class PrivacyLedger:
         i = bisect.bisect_left(points, steps)
         if i < len(points):
             return values[i]
+        # The planned end is a grid point too: at the last step the bound is the exact ε, not the next point's.
+        end = None if self.grid_end is None else self.grid_end - sum(t for *_, t in prefix)
         point = self._next_grid_point(points[-1] if points else 0, steps)
+        if end is not None and steps <= end < point:
+            point = end
         eps = compute_epsilon([*prefix, (sigma, q, point)], delta, self.accountant)
         points.append(point)
         values.append(eps)

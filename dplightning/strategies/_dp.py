@@ -938,10 +938,15 @@ class _DPHooks(Strategy):
 def _logical_batch(logical: int, batch_size: int, world_size: int, k: int, q: float, poisson: bool) -> str:
     """One line saying what one noisy step averages over."""
     if poisson:
-        return (
+        line = (
             f"Logical batch: one Poisson sample of expected size {logical} (batch_size {batch_size} x {world_size} "
-            f"process(es), q = {q:.4g}), split into {k} micro-batch(es) of about {logical / (k * world_size):.4g} "
-            "per process: under DP, accumulate_grad_batches splits the sampled batch, it does not multiply it."
+            f"process(es), q = {q:.4g})"
+        )
+        if k == 1:
+            return line + "."
+        return (
+            f"{line}, split into {k} micro-batches of about {logical / (k * world_size):.4g} per process: under "
+            "DP, accumulate_grad_batches splits the sampled batch, it does not multiply it."
         )
     return (
         f"Logical batch: {k} x {batch_size} x {world_size} = {logical} examples per step (accumulate_grad_batches x "

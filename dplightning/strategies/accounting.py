@@ -187,6 +187,7 @@ class PrivacyAccounting:
         if total_steps is not None:
             # ~100 accountant calls for the progress bar
             self.ledger.grid_min_gap = max(1, self.mechanism.compositions(total_steps) // 100)
+            self.ledger.grid_end = self.mechanism.compositions(total_steps)
         if self.config.target_epsilon is None:
             return
         if total_steps is None:

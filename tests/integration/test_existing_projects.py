@@ -81,7 +81,7 @@ def test_accumulation_without_poisson_sampling_averages_over_the_k_batches() -> 
     ("poisson", "line"),
     [
         (True, "Logical batch: one Poisson sample of expected size 16 (batch_size 16 x 1 process(es), q = 0.25), "
-               "split into 4 micro-batch(es) of about 4 per process"),
+               "split into 4 micro-batches of about 4 per process"),
         (False, "Logical batch: 4 x 16 x 1 = 64 examples per step"),
     ],
 )  # fmt: skip

@@ -107,3 +107,18 @@ def test_calibration_rejects_bad_input() -> None:
 def test_epsilon_is_never_negative(accountant: str) -> None:
     # At δ = 0.5 both accountants return ε < 0 for this history; (0, δ)-DP is what that certifies.
     assert compute_epsilon([(1.0, 0.25, 8)], 0.5, accountant) == 0.0
+
+
+def test_the_planned_end_is_a_grid_point_so_the_last_bound_is_exact() -> None:
+    """The progress bar showed 3.113 for a run calibrated to ε = 3 (exact 2.995): the end fell between points."""
+    ledger = PrivacyLedger("rdp", grid_ratio=1.5)
+    ledger.grid_end = 200
+    for step in range(1, 201):
+        ledger.step(1.0, 0.05)
+        bound = ledger.epsilon_bound(DELTA)
+        assert bound >= ledger.get_epsilon(DELTA) - 1e-12
+    assert bound == pytest.approx(ledger.get_epsilon(DELTA), rel=1e-12)
+    free = PrivacyLedger("rdp", grid_ratio=1.5)  # without the planned end, 200 is not a grid point
+    for _ in range(200):
+        free.step(1.0, 0.05)
+    assert free.epsilon_bound(DELTA) > free.get_epsilon(DELTA) * 1.001
