@@ -20,9 +20,12 @@ participation is clipped to exactly Δ: a leak shows as a ratio above 1.
 from __future__ import annotations
 
 import random
+import tempfile
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
 from itertools import combinations
 from typing import Any
 
@@ -50,8 +53,9 @@ FACTORS: dict[str, list[Any]] = {
     "precision": ["32-true", "bf16-mixed"],
     "clipping": ["flat", "per_layer"],
     "optimizer": ["sgd", "dpgrape", "dpmuon"],
+    "processes": [1, 2],
 }
-"""The harness' feature matrix (one process; the two-process cells are not in it yet)."""
+"""The harness' feature matrix."""
 
 
 def pairwise_cover(factors: Mapping[str, Sequence[Any]], seed: int = 0, tries: int = 64) -> list[dict[str, Any]]:
@@ -159,9 +163,9 @@ class _Data(pl.LightningDataModule):
 
 
 def batch_size(cell: Mapping[str, Any]) -> int:
-    """The loader's batch size for the cell's sampling rate (within a part, under cyclic sampling)."""
+    """The loader's batch size per process for the cell's sampling rate (within a part, under cyclic sampling)."""
     parts = 1 if cell["mechanism"] == "gaussian" else PARTITIONS
-    return max(1, round(cell["rate"] * N / parts))
+    return max(1, round(cell["rate"] * N / parts / cell.get("processes", 1)))
 
 
 # ------------------------------------------------------------------ one run, one cell
@@ -188,7 +192,34 @@ class _Recorder:
         return self.replay[index]
 
 
-def _strategy(cell: Mapping[str, Any], seed: int) -> dplightning.DPStrategy:
+class _RankRecorder(pl.Callback):
+    """The recorder inside each spawned rank: observes from setup, writes what it saw to ``folder/rank<r>.pt``."""
+
+    def __init__(self, folder: str, replay: list[Tensor] | None) -> None:
+        self.folder, self.replay = folder, replay
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.recorder = _Recorder(self.replay)
+        self._observing = observe_releases(self.recorder)
+        self._observing.__enter__()
+
+    def _dump(self, trainer: pl.Trainer, refusal: str | None) -> None:
+        if getattr(self, "_observing", None) is None:
+            return
+        self._observing.__exit__(None, None, None)
+        self._observing = None
+        r = self.recorder
+        torch.save({"clipped": r.clipped, "outputs": r.outputs, "specs": r.specs, "refusal": refusal},
+                   f"{self.folder}/rank{trainer.global_rank}.pt")  # fmt: skip
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._dump(trainer, "refused")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._dump(trainer, None)
+
+
+def _strategy(cell: Mapping[str, Any], seed: int) -> Any:
     extra: dict[str, Any] = {}
     if cell["mechanism"] == "band_mf":
         extra = dict(bands=PARTITIONS)
@@ -197,10 +228,13 @@ def _strategy(cell: Mapping[str, Any], seed: int) -> dplightning.DPStrategy:
     if cell["clip_replay"]:
         extra["clip_replay"] = True
     extra["clipping"] = cell.get("clipping", "flat")
+    extra.update(noise_mechanism=cell["mechanism"], noise_multiplier=0.0, max_grad_norm=1.0,
+                 clipping_engine=cell["engine"], seed=seed)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sigma = 0 and seed= warn by design
-        return dplightning.DPStrategy(noise_mechanism=cell["mechanism"], noise_multiplier=0.0, max_grad_norm=1.0,
-                                      clipping_engine=cell["engine"], seed=seed, **extra)  # fmt: skip
+        if cell.get("processes", 1) > 1:
+            return dplightning.DPDDPStrategy(start_method="spawn", timeout=timedelta(seconds=60), **extra)
+        return dplightning.DPStrategy(**extra)
 
 
 def _trainer_kwargs(cell: Mapping[str, Any]) -> dict[str, Any]:
@@ -229,6 +263,8 @@ def run(cell: Mapping[str, Any], canary_weight: float, replay: list[Tensor] | No
     torch.manual_seed(seed)
     module = HarnessModule(cell["loss"], cell["control"], cell.get("optimizer", "sgd"))
     data = _Data(harness_data(canary_weight), batch_size(cell), validation=cell["control"] == "validation")
+    if cell.get("processes", 1) > 1:
+        return _run_ranks(cell, module, data, replay, seed)
     recorder = _Recorder(replay)
     trainer = make_trainer(_strategy(cell, seed), **_trainer_kwargs(cell))
     refusal = None
@@ -240,6 +276,33 @@ def run(cell: Mapping[str, Any], canary_weight: float, replay: list[Tensor] | No
             # The decision, not its details: a refusal's message may quote measured values to the data's owner.
             refusal = f"{type(err).__name__}: {str(err)[:48]}"
     return RunResult(recorder, refusal)
+
+
+def _run_ranks(
+    cell: Mapping[str, Any], module: HarnessModule, data: _Data, replay: list[Tensor] | None, seed: int
+) -> RunResult:
+    """The fit on ``processes`` spawned gloo ranks; the mechanism's input is the sum of the ranks' clipped sums."""
+    world = cell["processes"]
+    with tempfile.TemporaryDirectory() as folder:
+        trainer = make_trainer(_strategy(cell, seed), devices=world, accelerator="cpu",
+                               callbacks=[_RankRecorder(folder, replay)], **_trainer_kwargs(cell))  # fmt: skip
+        refused = False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                trainer.fit(module, datamodule=data)
+            except Exception:  # a rank's refusal, re-raised by the launcher (which rank reports first varies)
+                refused = True
+        files = [Path(folder) / f"rank{r}.pt" for r in range(world)]
+        if refused and not all(f.exists() for f in files):  # the launcher ended the other ranks
+            return RunResult(_Recorder(replay), "refused")
+        ranks = [torch.load(f, weights_only=False) for f in files]
+    recorder = _Recorder(replay)
+    recorder.clipped = [sum(parts) for parts in zip(*(r["clipped"] for r in ranks))]  # type: ignore[misc]
+    recorder.outputs, recorder.specs = ranks[0]["outputs"], ranks[0]["specs"]
+    if len({len(r["clipped"]) for r in ranks}) != 1:
+        raise AssertionError(f"The ranks made {[len(r['clipped']) for r in ranks]} releases.")
+    return RunResult(recorder, "refused" if refused else None)
 
 
 @dataclass
@@ -286,8 +349,9 @@ def measure(cell: Mapping[str, Any]) -> Measured:
 
 
 def cells(rows: Sequence[Mapping[str, Any]]) -> Iterator[Any]:
-    """``rows`` as pytest params with readable ids."""
+    """``rows`` as pytest params with readable ids; cells on several processes are marked ``multiprocess``."""
     import pytest
 
     for row in rows:
-        yield pytest.param(dict(row), id="-".join(str(v) for v in row.values()))
+        marks = [pytest.mark.multiprocess] if row.get("processes", 1) > 1 else []
+        yield pytest.param(dict(row), id="-".join(str(v) for v in row.values()), marks=marks)
