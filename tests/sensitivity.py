@@ -10,8 +10,9 @@ and the clipped sums differ only by the canary. The cell passes if
 * every release's difference is at most Δ (what the ledger charges one participation),
 * for a correlated mechanism, ‖C·(X − X′)‖ over the run is at most the charged run
   sensitivity (the whole run audited as one Gaussian mechanism on C·X),
-* the two runs took the same decisions: the same number of releases with the same declared
-  index, σΔ, Δ and q·N, and the same refusal (if any) at the same point,
+* the two runs took the same decisions: every runtime check's accept/refuse in the same order
+  (the seam's decision events), the same number of releases with the same declared index, σΔ,
+  Δ and q·N, and the same refusal (if any) at the same point,
 
 or both runs were refused before their first release. The canary is large, so each
 participation is clipped to exactly Δ: a leak shows as a ratio above 1.
@@ -36,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dplightning
-from dplightning.privacy.release import Release, observe_releases
+from dplightning.privacy.release import Decision, Release, observe_decisions, observe_releases
 from tests.helpers import make_trainer
 
 N, T, D, CLASSES, CANARY, PARTITIONS = 12, 3, 4, 3, 0, 2
@@ -179,6 +180,7 @@ class _Recorder:
     clipped: list[Tensor] = field(default_factory=list)
     outputs: list[Tensor] = field(default_factory=list)
     specs: list[Any] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
 
     def __call__(self, release: Release, output: Tensor) -> Tensor | None:
         index = len(self.clipped)
@@ -202,15 +204,18 @@ class _RankRecorder(pl.Callback):
         self.recorder = _Recorder(self.replay)
         self._observing = observe_releases(self.recorder)
         self._observing.__enter__()
+        self._deciding = observe_decisions(self.recorder.decisions.append)
+        self._deciding.__enter__()
 
     def _dump(self, trainer: pl.Trainer, refusal: str | None) -> None:
         if getattr(self, "_observing", None) is None:
             return
         self._observing.__exit__(None, None, None)
+        self._deciding.__exit__(None, None, None)
         self._observing = None
         r = self.recorder
-        torch.save({"clipped": r.clipped, "outputs": r.outputs, "specs": r.specs, "refusal": refusal},
-                   f"{self.folder}/rank{trainer.global_rank}.pt")  # fmt: skip
+        torch.save({"clipped": r.clipped, "outputs": r.outputs, "specs": r.specs, "decisions": r.decisions,
+                    "refusal": refusal}, f"{self.folder}/rank{trainer.global_rank}.pt")  # fmt: skip
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._dump(trainer, "refused")
@@ -268,7 +273,7 @@ def run(cell: Mapping[str, Any], canary_weight: float, replay: list[Tensor] | No
     recorder = _Recorder(replay)
     trainer = make_trainer(_strategy(cell, seed), **_trainer_kwargs(cell))
     refusal = None
-    with observe_releases(recorder), warnings.catch_warnings():
+    with observe_releases(recorder), observe_decisions(recorder.decisions.append), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             trainer.fit(module, datamodule=data)
@@ -300,6 +305,7 @@ def _run_ranks(
     recorder = _Recorder(replay)
     recorder.clipped = [sum(parts) for parts in zip(*(r["clipped"] for r in ranks))]  # type: ignore[misc]
     recorder.outputs, recorder.specs = ranks[0]["outputs"], ranks[0]["specs"]
+    recorder.decisions = [d for r in ranks for d in r["decisions"]]  # rank by rank
     if len({len(r["clipped"]) for r in ranks}) != 1:
         raise AssertionError(f"The ranks made {[len(r['clipped']) for r in ranks]} releases.")
     return RunResult(recorder, "refused" if refused else None)
@@ -331,6 +337,10 @@ def measure(cell: Mapping[str, Any]) -> Measured:
             f"D and D′ decided differently: {len(a.clipped)} vs {len(b.clipped)} releases, refusals "
             f"{d.refusal!r} vs {neighbour.refusal!r}."
         )
+    if a.decisions != b.decisions:
+        first = next(i for i, (x, y) in enumerate(zip(a.decisions, b.decisions)) if x != y) if a.decisions and b.decisions else 0
+        raise AssertionError(f"A check decided differently on D and D′ at its decision {first}: "
+                             f"{a.decisions[first:first + 1]} vs {b.decisions[first:first + 1]}.")  # fmt: skip
     for spec, other in zip(a.specs, b.specs):
         declared = (spec.index, spec.mechanism, spec.sensitivity, spec.noise_std, spec.expected_batch_size)
         if declared != (other.index, other.mechanism, other.sensitivity, other.noise_std, other.expected_batch_size):

@@ -26,6 +26,8 @@ from collections.abc import Callable, Collection
 import torch
 from torch import Tensor, nn
 
+from dplightning.privacy.release import decision
+
 _Fingerprint = tuple[int, int, float | None]
 
 
@@ -123,6 +125,10 @@ class BufferWatch:
         self._after = after
 
     def _refuse(self, written: list[str], when: str) -> None:
+        with decision("state_watch"):
+            self._raise_if_written(written, when)
+
+    def _raise_if_written(self, written: list[str], when: str) -> None:
         if not written:
             return
         written = sorted(written)

@@ -12,11 +12,16 @@ and replays them on a neighbour D′, so that both runs follow one trajectory an
 clipped sums can differ (``docs/trust.md``, "The audit contract").
 
 Without observers the seam costs nothing: no copy of the buckets is made.
+
+The runtime checks report their decisions the same way (:func:`observe_decisions`): each
+check that can refuse a step (the gradient verification, the coupling and shape probes, the
+state watch, the cyclic position, the whole-logical-batch rule) emits a :class:`Decision`
+when it accepts or refuses, so an audit can assert that no decision depends on one example.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -103,3 +108,46 @@ def observe_releases(observer: ReleaseObserver) -> Iterator[ReleaseObserver]:
 def observers() -> tuple[ReleaseObserver, ...]:
     """The observers registered now (empty outside :func:`observe_releases`)."""
     return tuple(_observers)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One runtime check's outcome at one point of the run.
+
+    Attributes:
+        check: ``"gradient_verification"``, ``"coupling_probe"``, ``"shape_probe"``, ``"state_watch"``,
+            ``"cyclic_position"`` or ``"whole_logical_batch"``.
+        accepted: Whether the check let the step go on.
+    """
+
+    check: str
+    accepted: bool
+
+
+_decision_observers: list[Callable[[Decision], None]] = []
+
+
+@contextmanager
+def observe_decisions(observer: Callable[[Decision], None]) -> Iterator[Callable[[Decision], None]]:
+    """Hand every check's decision in this process to ``observer`` while the context is open."""
+    _decision_observers.append(observer)
+    try:
+        yield observer
+    finally:
+        _decision_observers.remove(observer)
+
+
+@contextmanager
+def decision(check: str) -> Iterator[None]:
+    """Report the block's outcome as ``check``'s decision: refused if it raises, accepted otherwise."""
+    if not _decision_observers:
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        for observer in list(_decision_observers):
+            observer(Decision(check, False))
+        raise
+    for observer in list(_decision_observers):
+        observer(Decision(check, True))

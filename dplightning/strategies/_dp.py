@@ -64,7 +64,7 @@ from dplightning.privacy.poisson import (
 )
 from dplightning.privacy.provenance import data_provenance
 from dplightning.privacy.record import CHECKPOINT_KEY, PrivacyRecord
-from dplightning.privacy.release import ReleaseSpec, observers
+from dplightning.privacy.release import ReleaseSpec, decision, observers
 from dplightning.protocols import CountsExamples, ShowsEpsilon
 from dplightning.strategies._trainer import trainer_callbacks
 from dplightning.strategies.accounting import PrivacyAccounting, mechanism_of
@@ -738,8 +738,13 @@ class _DPHooks(Strategy):
             self._batch_indices = []
             return
         drawn, self._batch_indices = sampler.take()
+        if isinstance(sampler, CyclicPoissonBatchSampler) and drawn is not None:
+            with decision("cyclic_position"):
+                self._refuse_other_release(sampler, drawn)
+
+    def _refuse_other_release(self, sampler: CyclicPoissonBatchSampler, drawn: int) -> None:
         joins = self.dp_state.steps
-        if isinstance(sampler, CyclicPoissonBatchSampler) and drawn is not None and drawn != joins:
+        if drawn != joins:
             raise RuntimeError(
                 f"This batch was sampled from part {drawn % sampler.partitions} for release {drawn}, but it joins "
                 f"release {joins} (part {joins % sampler.partitions}): an example could participate twice within "
@@ -876,7 +881,19 @@ class _DPHooks(Strategy):
         module = known(self.lightning_module, "the LightningModule")
         batches, self._batches_since_release = self._batches_since_release, 0
         k = known(self._trainer, "the Trainer").accumulate_grad_batches
-        if module.automatic_optimization and self.dp_config.poisson_sampling and batches != k:
+        if module.automatic_optimization and self.dp_config.poisson_sampling:
+            with decision("whole_logical_batch"):
+                self._refuse_partial_batch(batches, k)
+        if not module.automatic_optimization and batches != 1:
+            raise RuntimeError(
+                f"Under DP, manual optimization must call opt.step() exactly once per training batch; this step "
+                f"covers {batches} batches. Several batches per step would sample at a higher rate than the "
+                "accountant charges, and several steps per batch release the same examples twice. To accumulate, "
+                "use automatic optimization with Trainer(accumulate_grad_batches=k)."
+            )
+
+    def _refuse_partial_batch(self, batches: int, k: int) -> None:
+        if batches != k:
             known(self.private_step, "the private step").discard()
             raise RuntimeError(
                 f"This release covers {batches} of the {k} micro-batches of one Poisson batch "
@@ -885,13 +902,6 @@ class _DPHooks(Strategy):
                 "checkpoint written between the micro-batches of a step (Trainer.save_checkpoint after fit "
                 "returned, or in the middle of an accumulation): resume from a checkpoint that ModelCheckpoint wrote "
                 "at a step's end, or with accumulate_grad_batches=1. Nothing of this step was released."
-            )
-        if not module.automatic_optimization and batches != 1:
-            raise RuntimeError(
-                f"Under DP, manual optimization must call opt.step() exactly once per training batch; this step "
-                f"covers {batches} batches. Several batches per step would sample at a higher rate than the "
-                "accountant charges, and several steps per batch release the same examples twice. To accumulate, "
-                "use automatic optimization with Trainer(accumulate_grad_batches=k)."
             )
 
     def _release(self) -> None:

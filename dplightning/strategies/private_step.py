@@ -33,7 +33,7 @@ from dplightning.privacy.grad_sample import PerExampleGrad, PerExampleHooks, Slo
 from dplightning.privacy.matrix_mechanism import Strategy as NoiseStrategy
 from dplightning.privacy.mechanism import BucketReducer, GradientPrivatizer, MicroBatchStats, merge_stats
 from dplightning.privacy.noise import GaussianNoise
-from dplightning.privacy.release import ReleaseSpec
+from dplightning.privacy.release import ReleaseSpec, decision
 from dplightning.protocols import DPPlan, DPPlanned, DPRelease
 from dplightning.strategies.accumulation import ManualAccumulation
 from dplightning.strategies.config import DPConfig
@@ -403,6 +403,10 @@ class PrivateStep:
         if probe.alone is not None:
             self._check_alone(probe.alone, probe.rng, units)
         differing = coupled_parameters(real, replayed, probe.kept)
+        with decision("coupling_probe"):
+            self._refuse_coupled(differing)
+
+    def _refuse_coupled(self, differing: Mapping[nn.Parameter, float]) -> None:
         if differing:
             names = {p: n for n, p in self.module.named_parameters()}
             listed = ", ".join(f"{names.get(p, '?')} ({err:.2g})" for p, err in list(differing.items())[:6])
@@ -440,7 +444,12 @@ class PrivateStep:
                 self._drop_weight_grads()
         scales = (self._scale, float(self._loss_divisor))  # each unit's own gradient, in the batch and alone
         gap = unit_gradient_gap(passes[0], passes[1], alone.position, scales)
-        if gap > alone_tolerance(*passes):
+        with decision("shape_probe"):
+            self._refuse_shape_coupled(gap, alone_tolerance(*passes))
+
+    @staticmethod
+    def _refuse_shape_coupled(gap: float, tolerance: float) -> None:
+        if gap > tolerance:
             raise RuntimeError(
                 f"An example's gradient changed when it was collated alone instead of in its batch (relative "
                 f"difference {gap:.2g}): the loss or the model depends on the batch's padded shape, e.g. a mean over "

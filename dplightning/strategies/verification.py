@@ -16,6 +16,7 @@ from torch import nn
 
 from dplightning.privacy.grad_sample import PerExampleGrad, SlotTransform
 from dplightning.privacy.mechanism import verify_per_example_sum
+from dplightning.privacy.release import decision
 
 VERIFIED_STEPS = 2
 """Steps with a non-empty batch that ``verify_gradients="first_steps"`` checks after each (re)planning."""
@@ -72,6 +73,10 @@ class GradientVerification:
         mismatched = verify_per_example_sum(params, grads, 1.0, transforms, self.compute_dtype)
         if units:
             self._saw_rows = True
+        with decision("gradient_verification"):
+            self._refuse(module, mismatched)
+
+    def _refuse(self, module: nn.Module, mismatched: list[tuple[nn.Parameter, float]]) -> None:
         if mismatched:
             names = {p: n for n, p in module.named_parameters()}
             listed = ", ".join(f"{names.get(p, '?')} (relative error {err:.2g})" for p, err in mismatched[:8])

@@ -360,3 +360,18 @@ def test_a_probe_after_the_verified_steps_sees_the_whole_pass(clipping: str) -> 
     module = LossOf(_mlp(), lambda net, x, y: F.cross_entropy(net(x), y))
     _fit(module, data, steps=5, poisson_sampling=False, clipping=clipping)
     assert len(module.batches) == 5
+
+
+def test_each_check_reports_its_decision_at_the_seam() -> None:
+    """The audit contract: refusals and acceptances are named events (dplightning.privacy.release)."""
+    from dplightning.privacy.release import Decision, observe_decisions
+
+    seen: list[Decision] = []
+    with observe_decisions(seen.append):
+        _fit(LossOf(_mlp(), lambda net, x, y: F.cross_entropy(net(x), y)), _data(_x(6)), steps=2)
+    assert {d.check for d in seen} >= {"gradient_verification", "coupling_probe", "state_watch", "whole_logical_batch"}
+    assert all(d.accepted for d in seen)
+    seen.clear()
+    with observe_decisions(seen.append), pytest.raises(RuntimeError):
+        _fit(LossOf(_mlp(), lambda net, x, y: F.cross_entropy(net(x) - net(x).mean(0), y)), _data(_x(6)))
+    assert seen[-1] == Decision("coupling_probe", False)
