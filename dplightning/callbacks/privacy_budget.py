@@ -134,6 +134,15 @@ class PrivacyBudget(Callback):
         if self._binding and steps >= self._allowed:
             trainer.should_stop = True
             self.stopped_early = True
+            planned = trainer.estimated_stepping_batches
+            if math.isfinite(planned) and trainer.global_step < planned:
+                # A learning-rate schedule sized for the planned steps ends early too: say so once.
+                rank_zero_warn(
+                    f"PrivacyBudget: ε = {self.target_epsilon:.4g} allows {trainer.global_step} step(s) of the "
+                    f"{int(planned)} the Trainer planned; training stops there. A schedule sized by "
+                    "estimated_stepping_batches (OneCycleLR, cosine) did not finish. To spend the budget over the "
+                    "whole run, give the strategy target_epsilon instead (σ is then calibrated for the planned steps)."
+                )
 
     def _update_allowed(self, trainer: pl.Trainer, steps: int) -> None:
         """Recompute the last allowed step when (prefix, σ, q) change or a non-binding cap is reached."""

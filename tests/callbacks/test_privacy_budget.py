@@ -223,3 +223,11 @@ def test_two_ranks_stop_together_and_the_count_noise_is_added_once(tmp_path) -> 
     assert [n for n, _ in records[0]["histogram"]] == [int(c.sum()) for _, c in records[0]["histogram"]]
     assert sum(n for n, _ in records[0]["histogram"]) == sum(records[1]["tails"]) == seen
     assert len(list(tmp_path.rglob("nonprivate_tail_stats.png"))) == 1  # saved once, by rank 0
+
+
+def test_stopping_before_the_planned_steps_warns() -> None:
+    """Training stopped at step 241 of the 690 a schedule was sized for, silently (issue 42, item 3)."""
+    target = _budget_allowing(5, RDPAccountant, sigma=1.0)
+    with pytest.warns(UserWarning, match=r"allows 5 step\(s\) of the 50 the Trainer planned"):
+        trainer = _fit(PrivacyBudget(target))
+    assert trainer.global_step == 5
