@@ -26,8 +26,8 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from itertools import combinations
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -338,7 +338,8 @@ def measure(cell: Mapping[str, Any]) -> Measured:
             f"{d.refusal!r} vs {neighbour.refusal!r}."
         )
     if a.decisions != b.decisions:
-        first = next(i for i, (x, y) in enumerate(zip(a.decisions, b.decisions)) if x != y) if a.decisions and b.decisions else 0
+        pairs = enumerate(zip(a.decisions, b.decisions))
+        first = next((i for i, (x, y) in pairs if x != y), min(len(a.decisions), len(b.decisions)))
         raise AssertionError(f"A check decided differently on D and D′ at its decision {first}: "
                              f"{a.decisions[first:first + 1]} vs {b.decisions[first:first + 1]}.")  # fmt: skip
     for spec, other in zip(a.specs, b.specs):

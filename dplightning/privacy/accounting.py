@@ -259,9 +259,9 @@ class PrivacyLedger:
             raise ValueError(f"grid_ratio must be > 1, got {grid_ratio}.")
         self.grid_ratio = grid_ratio
         self.grid_min_gap = grid_min_gap
+        """Fewest steps between grid points (a strategy sets about 1% of the planned run)."""
         self.grid_end: int | None = None
         """The planned total of steps, if known: a grid point, so the bound is exact when the run ends."""
-        """Fewest steps between grid points (a strategy sets about 1% of the planned run)."""
         self._history: list[Segment] = []
         self._exact: OrderedDict[tuple[tuple[Segment, ...], float], float] = OrderedDict()
         self._grids: dict[tuple[Any, ...], tuple[list[int], list[float]]] = {}

@@ -245,7 +245,6 @@ class GradientPrivatizer:
                 view = self.slot(p)
                 p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
 
-
     def _observe(self, watching: Sequence[ReleaseObserver], release: Release) -> None:
         """Hand the release to each observer; write back an output one substitutes."""
         output = torch.cat([b.detach().flatten() for b in self.buckets])
@@ -253,7 +252,8 @@ class GradientPrivatizer:
             replaced = observer(release, output.clone())
             if replaced is not None:
                 if replaced.shape != output.shape:
-                    raise ValueError(f"A release observer returned shape {tuple(replaced.shape)}, not {tuple(output.shape)}.")
+                    shapes = f"{tuple(replaced.shape)}, not {tuple(output.shape)}"
+                    raise ValueError(f"A release observer returned shape {shapes}.")
                 output = replaced.to(output.device, output.dtype)
         offset = 0
         for bucket in self.buckets:

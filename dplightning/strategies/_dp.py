@@ -258,7 +258,12 @@ class _DPHooks(Strategy):
         trainer = self._trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or not _building_train_loader(trainer):
             return dataloader
-        return self._private_loader(trainer, dataloader)
+        loader = self._private_loader(trainer, dataloader)
+        # The batches' indices (and, cyclic, their release steps) come from a Poisson loader's sampler.
+        self._sampler, self._train_loader = None, None
+        if isinstance(loader, PoissonDataLoader):
+            self._sampler, self._train_loader = loader.batch_sampler, loader
+        return loader
 
     @override
     def on_train_start(self) -> None:
@@ -599,7 +604,6 @@ class _DPHooks(Strategy):
             seed=self.dp_config.seed,
             secure_mode=self.dp_config.secure_mode,
         )
-        self._sampler, self._train_loader = loader.batch_sampler, loader
         per_epoch = steps_per_epoch_run(trainer, len(loader))
         self.accounting.plan(planned_steps(trainer, per_epoch))
         return loader
@@ -633,7 +637,6 @@ class _DPHooks(Strategy):
             secure_mode=self.dp_config.secure_mode,
             position=lambda: self.dp_state.steps,
         )
-        self._sampler, self._train_loader = loader.batch_sampler, loader
         per_epoch = steps_per_epoch_run(trainer, len(loader))
         if per_epoch % partitions:
             raise ValueError(
@@ -921,8 +924,9 @@ class _DPHooks(Strategy):
                 )
             step.bind_noise_strategy(plan.strategy)
             released = total * float(plan.marginal[steps])
-            spec = replace(spec, noise_std=released, strategy=plan.strategy.matrix() if observers() else None,
-                           run_sensitivity=self.accounting.mechanism.run_sensitivity(plan.sensitivity, plan.strategy.n))  # fmt: skip
+            run_sensitivity = self.accounting.mechanism.run_sensitivity(plan.sensitivity, plan.strategy.n)
+            strategy = plan.strategy.matrix() if observers() else None  # dense C only for an audit
+            spec = replace(spec, noise_std=released, strategy=strategy, run_sensitivity=run_sensitivity)
         step.release(self._local_noise_std(total), released, expected_batch_size, self._bucket_reducer(), steps, spec)
         self.accounting.step()
         self._count_compared_probe()

@@ -108,7 +108,10 @@ def unit_gradient_gap(
     position: int,
     scales: tuple[float, float],
 ) -> float:
-    """‖g_batch − g_alone‖ / max(‖g_batch‖, ‖g_alone‖) of one unit over all parameters (row ``position`` of the batch)."""
+    """‖g_batch − g_alone‖ / max(‖g_batch‖, ‖g_alone‖) of one unit, over all parameters.
+
+    ``position`` is the unit's row in the batch; ``scales`` take each pass' captured gradients to the unit's own.
+    """
     error = reference = 0.0
     for p in in_batch.keys() | alone.keys():
         sides: list[Tensor | None] = []

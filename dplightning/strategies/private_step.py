@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -236,7 +236,7 @@ class PrivateStep:
         # the coupling probe (both compare the pass' per-example gradients after it).
         self._early = automatic and not self.verification.active and probe is None
         self._replay = None
-        if self.config.clip_replay and self._early and probe is None and self._has_spanning:
+        if self.config.clip_replay and self._early and self._has_spanning:
             self._replay = ClipReplay(self.privatizer, hooks, self._streamable, rows_per_unit, self._scale)
         hooks.fingerprint = self._replay is not None
         self.restore_weight_grads()
@@ -281,9 +281,7 @@ class PrivateStep:
         try:
             stats = replay.run(backward, rest)
         except BaseException:  # a partial or mismatched replay: nothing of this step may be released
-            self.privatizer.discard()
-            self._stats.clear()
-            self._early_stats, self._early_done = [], set()
+            self.discard()
             raise
         self._early_stats.append(stats)
         self._early_done.update(rest)
@@ -303,8 +301,7 @@ class PrivateStep:
         except RuntimeError as err:
             failure = err
         if checking and not self.agree(failure is None) and failure is None:
-            self.privatizer.discard()
-            self._stats.clear()
+            self.discard()
             failure = RuntimeError(
                 "Another process refused this step (its gradient verification or coupling probe failed; its error "
                 "names the cause). Every process stops here, before the release. Nothing of this step was released."
@@ -342,8 +339,7 @@ class PrivateStep:
         try:
             self._check_coupling(real)
         except BaseException:  # refused, or the replay failed: the step's clipped sum must never be released
-            self.privatizer.discard()
-            self._stats.clear()
+            self.discard()
             raise
 
     def _drop_weight_grads(self) -> None:
@@ -425,7 +421,7 @@ class PrivateStep:
             )
 
     def _check_alone(self, alone: AloneProbe, rng: tuple[Tensor, list[Tensor]], units: int) -> None:
-        """Refuse if one unit's gradient in the batch differs from its gradient collated alone (strategies/coupling.py)."""
+        """Refuse if a unit's gradient in its batch differs from its gradient collated alone (see coupling.py)."""
         hooks = known(self.hooks, "the per-example hooks")
         passes = []
         after = rng_state()
@@ -496,7 +492,6 @@ class PrivateStep:
 
     def discard(self) -> None:
         """Forget everything accumulated since the last release (a step that will never be released)."""
-        self.restore_weight_grads()
         self.privatizer.discard()
         self.accumulation.clear()
         self._stats.clear()

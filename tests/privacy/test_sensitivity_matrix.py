@@ -1,7 +1,8 @@
 """The neighbouring-data sensitivity harness over the feature matrix (``tests/sensitivity.py``).
 
 A pairwise cover of the matrix runs in ``make test`` (its two-process cells are marked
-``multiprocess``); seeded random draws over the one-process part of the matrix are marked slow. Each cell either is refused before its first release on both D and
+``multiprocess``); seeded random draws over the one-process part of the matrix are marked
+slow. Each cell either is refused before its first release on both D and
 D′, or releases within what the ledger charges, with the same decisions on both.
 """
 

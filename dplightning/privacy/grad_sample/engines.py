@@ -356,7 +356,7 @@ def factored_kind(layer: nn.Module) -> FactorFn | None:
     return None if found is None else found.factor
 
 
-def weightas_tokens(layer: nn.Module, call: LayerCall, grad: Tensor) -> int:
+def weight_tokens(layer: nn.Module, call: LayerCall, grad: Tensor) -> int:
     """T, the rows per example of ``layer``'s factored weight gradient in this call."""
     found = factorisation_of(layer)
     return _token_rows(grad) if found is None else found.tokens(grad)
@@ -385,7 +385,7 @@ class BookKeeping(Engine):
 
     def factor(self, layer: nn.Module, call: LayerCall, grad: Tensor) -> bool:
         """Whether to keep this call factored (:meth:`keeps_factors` for the call's T and the layer's weight)."""
-        return self.keeps_factors(weightas_tokens(layer, call, grad), math.prod(_weight(layer).shape))
+        return self.keeps_factors(weight_tokens(layer, call, grad), math.prod(_weight(layer).shape))
 
     @classmethod
     def keeps_factors(cls, tokens: int, elements: int) -> bool:

@@ -278,7 +278,6 @@ def _embedding_bag(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> d
 def _bilinear(layer: Any, call: LayerCall, grads: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
     # y_o = x1ᵀ W_o x2 + b_o: g_i = Σ_t Δ_t ⊗ x1_t ⊗ x2_t over the positions t of example i.
     grad = known(grads[0], "the layer's output gradient")
-    n = grad.shape[0]
     x1, x2 = _call_arg(call, 0, ("input1",)), _call_arg(call, 1, ("input2",))
     d = as_tokens(grad)
     out: dict[nn.Parameter, Tensor] = {}

@@ -9,8 +9,8 @@ gradient of a projected layer is never formed.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,7 +64,8 @@ class Projection(SlotTransform):
 
     def dense(self, grads: Tensor) -> Tensor:
         lead = grads.shape[: grads.dim() - len(self.shape)]
-        matrix, p = grads.reshape(*lead, self.shape[0], math.prod(self.shape[1:])).float(), self.matrix.to(grads.device, torch.float32)
+        columns = math.prod(self.shape[1:])  # named, not -1: an empty batch has zero elements
+        matrix, p = grads.reshape(*lead, self.shape[0], columns).float(), self.matrix.to(grads.device, torch.float32)
         return matrix @ p.T if self.side == "right" else p @ matrix
 
     def factored(self, grad: Factored) -> Factored:
