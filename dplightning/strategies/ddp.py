@@ -19,6 +19,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
@@ -26,6 +27,7 @@ from typing_extensions import override
 
 from dplightning._state import known
 from dplightning.privacy.mechanism import BucketReducer
+from dplightning.privacy.release import decision
 from dplightning.strategies._dp import _DPHooks
 from dplightning.strategies.config import DPConfig, dp_arguments
 
@@ -77,6 +79,42 @@ class DPDDPStrategy(_DPHooks, DDPStrategy):
             start_method=start_method,
         )
         self._dp_init(DPConfig(**dp))
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module = known(self.lightning_module, "the LightningModule")
+        if self.world_size > 1 and self.private_step is not None and is_overridden("on_train_batch_start", module):
+            self._agree_on_epoch_ends(module)
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and getattr(module.__dict__.get("on_train_batch_start"), "_dp_agreeing", False):
+            del module.__dict__["on_train_batch_start"]
+        super().teardown()
+
+    def _agree_on_epoch_ends(self, module: Any) -> None:
+        """Wrap the module's ``on_train_batch_start``: every rank ends an epoch at the same batch, or all stop.
+
+        Its -1 ends the epoch on the rank that returned it; Lightning does not share that
+        decision. Each release all-reduces every rank's clipped sum, so a rank that leaves
+        alone leaves the others waiting in that all-reduce (or pairs it with one of Lightning's
+        own collectives) until the process group's timeout. One count of the ranks that end,
+        taken after the hook on every rank, turns that into an error on every rank at once.
+        """
+        own = module.on_train_batch_start
+
+        def on_train_batch_start(batch: Any, batch_idx: int) -> Any:
+            response = own(batch, batch_idx)
+            ending = torch.tensor([int(response == -1)], dtype=torch.int32, device=self.root_device)
+            dist.all_reduce(ending, op=dist.ReduceOp.SUM)
+            with decision("epoch_end_agreement"):
+                _refuse_lone_epoch_end(int(ending.item()), self.world_size, response == -1, batch_idx)
+            return response
+
+        on_train_batch_start._dp_agreeing = True  # type: ignore[attr-defined]
+        module.__dict__["on_train_batch_start"] = on_train_batch_start
 
     @override
     def configure_ddp(self) -> None:
@@ -135,3 +173,14 @@ class DPDDPStrategy(_DPHooks, DDPStrategy):
                 start_method=start_method,
                 noise_multiplier=1.0,
             )
+
+
+def _refuse_lone_epoch_end(ending: int, world: int, this_rank: bool, batch_idx: int) -> None:
+    if 0 < ending < world:
+        raise RuntimeError(
+            f"on_train_batch_start returned -1 (end the epoch) on {ending} of {world} ranks at batch {batch_idx} "
+            f"(this rank: {'-1' if this_rank else 'continue'}). Under dp_ddp every rank takes every step: each "
+            "release adds all ranks' clipped sums, and a rank that leaves alone would leave the others waiting "
+            "for it until the process group's timeout. Decide once for all ranks, e.g. "
+            "return self.trainer.strategy.broadcast(-1 if stop else 0). Nothing of this batch was released."
+        )

@@ -203,3 +203,32 @@ def test_a_check_that_one_rank_refuses_stops_every_rank(tmp_path) -> None:
         run_ddp(_PenaltyOnRankOne(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=1.0,
                 max_steps=2, timeout=timedelta(seconds=150))  # fmt: skip
     assert time.monotonic() - start < 100  # not the process group's timeout: rank 0 refused too
+
+
+class _EpochEndOnRankOne(TinyModule):
+    """Rank 1 alone ends epoch 0 after its first batch (a user's hook that decides on the local data)."""
+
+    def on_train_batch_start(self, batch, batch_idx: int):  # type: ignore[no-untyped-def]
+        return -1 if self.trainer.global_rank == 1 and self.current_epoch == 0 and batch_idx == 1 else None
+
+
+class _EpochEndOnEveryRank(TinyModule):
+    def on_train_batch_start(self, batch, batch_idx: int):  # type: ignore[no-untyped-def]
+        return -1 if self.current_epoch == 0 and batch_idx == 1 else None
+
+
+def test_an_epoch_end_on_one_rank_stops_every_rank(tmp_path) -> None:
+    """No rank is left waiting in the release for one that ended its epoch alone (finding 51.A5b)."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(Exception, match="returned -1 .* on 1 of 2 ranks"):
+        run_ddp(_EpochEndOnRankOne(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=1.0,
+                max_steps=6, timeout=timedelta(seconds=150))  # fmt: skip
+    assert time.monotonic() - start < 100  # not the process group's timeout
+
+
+def test_an_epoch_end_on_every_rank_trains_on(tmp_path) -> None:
+    ranks = run_ddp(_EpochEndOnEveryRank(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=1.0,
+                    max_steps=6, timeout=timedelta(seconds=60))  # fmt: skip
+    assert [r["steps"] for r in ranks] == [6, 6]
