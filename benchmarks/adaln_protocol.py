@@ -66,7 +66,7 @@ from dplightning.callbacks import AdaLNBindFractions
 from dplightning.callbacks._statistics import hill_tail_index
 from dplightning.data import ETTDataModule
 from dplightning.data.ett import WindowDataset
-from dplightning.methods.adaln_bounds import calibrate_bounds, vacuity, validation_windows
+from dplightning.methods.adaln_bounds import calibrate_bounds, calibration_windows, vacuity
 from dplightning.models import TimeSeriesDiT
 from dplightning.models.dit_ts import CONDITIONING_PATTERNS
 from dplightning.tasks import DPTimeSeriesDiffusion
@@ -210,7 +210,7 @@ def frozen_bounds(
     dm = data_module(data, budget, 0.0, "test")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        calibrated = calibrate_bounds(template, validation_windows(dm), steps=budget.calibration_steps,
+        calibrated = calibrate_bounds(template, calibration_windows(dm), steps=budget.calibration_steps,
                                       batch_size=budget.batch, seed=0, noise_multiplier=sigma,
                                       max_grad_norm=MAX_GRAD_NORM)  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -188,6 +188,18 @@ class ETTDataModule(pl.LightningDataModule):
         test_windows = WindowDataset(self.splits["test"], self.window, max_windows=hp.max_test_windows)
         self.test_set = self.with_faults(test_windows, self.test_faults, "test")
 
+    @property
+    def calibration_set(self) -> WindowDataset:
+        """Every window of the validation months alone, for calibrations that must not read a training row.
+
+        The validation split starts ``input_len`` rows early, in the training months, so that its
+        first forecast has an input; those first windows hold training rows (for imputation, the
+        first is the last training window). Its values are normalised like everything else: with
+        ``mean``/``std`` if given, else with the training rows' statistics (see :attr:`dp_not_covered`).
+        """
+        self.setup("validate")
+        return WindowDataset(self.splits["val"][self.input_len :], self.window)
+
     def with_faults(self, windows: WindowDataset, process: FaultProcess, stream: str) -> WindowDataset | FaultedWindows:
         """``windows`` themselves at a fault rate of 0 (the plain tensors), else wrapped in the fault process."""
         if process.rate == 0:

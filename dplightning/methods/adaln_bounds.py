@@ -276,11 +276,12 @@ class CalibratedBounds:
     def to_yaml(self, source: str = "") -> str:
         """A config overlay (``--config ARM.yaml --config this.yaml``) that sets the bounds, with its provenance."""
         header = [
-            "# DP-aware AdaLN-Zero bounds set from the validation months only (issue 24, item 3; frozen):",
+            "# DP-aware AdaLN-Zero bounds set from the validation months only (frozen):",
             f"# the {100 * self.quantile:g}th percentiles of ||c~|| and of |raw gamma|, |raw beta|, |raw alpha| of a",
             f"# {self.regime} model of the same architecture (bounds off),",
             f"# trained {self.steps} steps (seed {self.seed})",
-            f"# on {self.windows} validation windows. Overlay: dplightning fit --config ARM.yaml --config THIS.yaml",
+            f"# on {self.windows} windows of validation rows alone (none holds a training row).",
+            "# Overlay: dplightning fit --config ARM.yaml --config THIS.yaml",
         ]
         if source:
             header.append(f"# Calibrated with: {source}")
@@ -327,7 +328,7 @@ def calibrate_bounds(
     Args:
         template: The arm's module (task, centring, parameterisation, optimizer and network as configured);
             it is copied, never trained.
-        windows: Held-out windows, e.g. ``datamodule.val_dataloader().dataset`` (:func:`validation_windows`).
+        windows: Held-out windows, e.g. ``datamodule.calibration_set`` (:func:`calibration_windows`).
         steps: Training steps of the non-private model.
         batch_size: Its batch size.
         quantile: The percentile of the bounds.
@@ -350,13 +351,22 @@ def calibrate_bounds(
     return CalibratedBounds(c_max, bounds, quantile, len(values.c_norms), steps, seed, regime)
 
 
-def validation_windows(datamodule: pl.LightningDataModule) -> Dataset:
-    """The validation windows of a data module, through ``setup("validate")`` and ``val_dataloader()`` only."""
-    datamodule.setup("validate")
-    loader = datamodule.val_dataloader()
-    if not isinstance(loader, DataLoader):
-        raise TypeError(f"Expected one validation DataLoader, got {type(loader).__name__}.")
-    return loader.dataset
+def calibration_windows(datamodule: pl.LightningDataModule) -> Dataset:
+    """The data module's ``calibration_set``: windows of held-out rows alone, never a training row.
+
+    Raises:
+        TypeError: If the data module has none. Its validation loader is not enough: a validation
+            split may start inside the training rows (ETT's starts ``input_len`` rows early, so that its
+            first forecast has an input), and bounds calibrated on it would depend on training data.
+    """
+    windows = getattr(datamodule, "calibration_set", None)
+    if not isinstance(windows, Dataset):
+        raise TypeError(
+            f"{type(datamodule).__name__} has no calibration_set: give it a property that returns windows of "
+            "public or held-out rows only (ETTDataModule.calibration_set: the validation months without the "
+            "training rows its first windows read). The validation loader may overlap the training rows."
+        )
+    return windows
 
 
 # ------------------------------------------------------------------ the vacuous-arm rule
@@ -430,11 +440,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     from dplightning.cli import build_cli  # the CLI builds model and data exactly as `dplightning fit` would
 
     argv = [item for config in args.config for item in ("--config", config)] + list(args.overrides)
-    argv += ["--trainer.logger", "false", "--data.init_args.max_val_windows", "null"]  # every validation window
+    argv += ["--trainer.logger", "false"]
     cli = build_cli(argv, run=False)
     if not isinstance(cli.model, DPTimeSeriesDiffusion) or cli.datamodule is None:
         raise TypeError("The config must give a DPTimeSeriesDiffusion model and a data module (ETTDataModule).")
-    windows = validation_windows(cli.datamodule)
+    windows = calibration_windows(cli.datamodule)
     result = calibrate_bounds(
         cli.model, windows, args.steps, args.batch_size, args.quantile, args.seed, args.accelerator,
         args.noise_multiplier, args.max_grad_norm,

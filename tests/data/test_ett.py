@@ -20,11 +20,16 @@ def write_csv(path: Path, rows: int = 20 * MONTH + 7, seed: int = 0) -> np.ndarr
     """A synthetic ETT file; the values after the train split are shifted far away (train-only statistics show)."""
     values = np.random.default_rng(seed).normal(3.0, 2.0, (rows, len(COLUMNS)))
     values[12 * MONTH :] += 1000.0
+    write_values(path, values)
+    return values
+
+
+def write_values(path: Path, values: np.ndarray) -> None:
+    """An ETT file of ``values`` (``[rows, 7]``), one hourly date per row."""
     with open(path, "w") as f:
         f.write(",".join(["date", *COLUMNS]) + "\n")
         for i, row in enumerate(values):
             f.write(f"2016-07-01 {i:05d}," + ",".join(repr(float(v)) for v in row) + "\n")
-    return values
 
 
 def test_standard_borders_hourly_and_minutely() -> None:

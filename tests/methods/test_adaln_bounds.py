@@ -19,6 +19,7 @@ from dplightning.methods.adaln_bounds import (
     CalibratedBounds,
     ConditioningValues,
     calibrate_bounds,
+    calibration_windows,
     conditioning_values,
     fit_on_windows,
     main,
@@ -27,13 +28,12 @@ from dplightning.methods.adaln_bounds import (
     run_fractions_from_csv,
     unbounded_twin,
     vacuity,
-    validation_windows,
 )
 from dplightning.models import TimeSeriesDiT
 from dplightning.models.adaln import ModulationBounds, modulation_chunks
 from dplightning.tasks import DPTimeSeriesDiffusion
 from dplightning.tasks.timeseries_diffusion import forecast_mask
-from tests.data.test_ett import MONTH, write_csv
+from tests.data.test_ett import MONTH, write_csv, write_values
 
 BOUNDED = dict(c_max=4.0, gamma_max=1.0, beta_max=1.0, alpha_max=1.0, bound_mode="hard")
 
@@ -64,11 +64,11 @@ class NoTrainETT(ETTDataModule):
         raise AssertionError("the calibration asked for the training loader")
 
 
-def test_the_bounds_come_from_the_validation_windows_without_reading_the_training_split(tmp_path: Path) -> None:
+def test_the_bounds_come_from_the_calibration_windows_without_reading_the_training_split(tmp_path: Path) -> None:
     write_csv(tmp_path / "ETTh1.csv")
     dm = NoTrainETT(str(tmp_path / "ETTh1.csv"), input_len=8, horizon=4, rows_per_month=MONTH)
-    windows = validation_windows(dm)
-    assert windows is dm.val_set and len(windows) == 40 + 8 - 12 + 1
+    windows = calibration_windows(dm)
+    assert len(windows) == 40 - 12 + 1  # the validation months' windows, none reaching back into training rows
     arm = template(**BOUNDED)
     before = {n: p.detach().clone() for n, p in arm.named_parameters()}
     result = calibrate_bounds(arm, windows, steps=10, batch_size=8, seed=0)
@@ -80,11 +80,34 @@ def test_the_bounds_come_from_the_validation_windows_without_reading_the_trainin
     assert again == result  # seeded end to end
 
 
-def test_a_dp_regime_calibration_trains_the_twin_with_dp_sgd_on_the_validation_windows_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize("task", ["forecasting", "imputation"])
+def test_the_calibration_windows_do_not_move_with_the_training_rows(tmp_path: Path, task: str) -> None:
+    """Finding 40.6: the validation split starts input_len rows early; its first windows held training rows."""
+    values = write_csv(tmp_path / "ETTh1.csv")
+    public = dict(mean=[0.0] * values.shape[1], std=[1.0] * values.shape[1])  # fixed statistics: rows alone count
+    kwargs: dict[str, Any] = dict(task=task, input_len=8, horizon=4, rows_per_month=MONTH, **public)
+    before = calibration_windows(ETTDataModule(str(tmp_path / "ETTh1.csv"), **kwargs))
+    values[: 12 * MONTH] += 7.0  # every training row changed, nothing else
+    other = tmp_path / "other"
+    other.mkdir()
+    write_values(other / "ETTh1.csv", values)
+    after = calibration_windows(ETTDataModule(str(other / "ETTh1.csv"), **kwargs))
+    assert len(before) == len(after) > 0
+    assert all(torch.equal(before[i], after[i]) for i in range(len(before)))
+
+
+def test_a_data_module_without_a_calibration_set_is_refused() -> None:
+    import lightning.pytorch as pl
+
+    with pytest.raises(TypeError, match="no calibration_set"):
+        calibration_windows(pl.LightningDataModule())
+
+
+def test_a_dp_regime_calibration_trains_the_twin_with_dp_sgd_on_the_calibration_windows_only(tmp_path: Path) -> None:
     from dplightning import DPStrategy
 
     write_csv(tmp_path / "ETTh1.csv")
-    windows = validation_windows(NoTrainETT(str(tmp_path / "ETTh1.csv"), input_len=8, horizon=4, rows_per_month=MONTH))
+    windows = calibration_windows(NoTrainETT(str(tmp_path / "ETTh1.csv"), input_len=8, horizon=4, rows_per_month=MONTH))
     twin = unbounded_twin(template(**BOUNDED))
     model = fit_on_windows(twin, windows, steps=4, batch_size=8, seed=0, noise_multiplier=1.0, max_grad_norm=0.5)
     strategy = model.trainer.strategy
@@ -266,6 +289,6 @@ def test_calibrate_from_a_config_writes_the_overlay(tmp_path: Path, capsys: pyte
                  "--out", str(out), "--", "--model.init_args.center", "context_mean"]) == 0  # fmt: skip
     args = yaml.safe_load(out.read_text(encoding="utf-8"))["model"]["init_args"]["model"]["init_args"]
     assert set(args) == {"c_max", "gamma_max", "beta_max", "alpha_max"} and all(v > 0 for v in args.values())
-    assert "on 37 validation windows" in out.read_text(encoding="utf-8")  # all of them, not max_val_windows
+    assert "on 29 windows of validation rows alone" in out.read_text(encoding="utf-8")  # all, not max_val_windows
     assert capsys.readouterr().out.endswith(out.read_text(encoding="utf-8"))
     assert "--seed 0 -- --model.init_args.center context_mean" in out.read_text(encoding="utf-8")  # provenance
