@@ -30,6 +30,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import dplightning  # noqa: F401  (registers the strategy names before parsing)
+from dplightning import configs
 from dplightning.protocols import AccountingSource, dp_state_of
 
 
@@ -91,10 +92,13 @@ COMMANDS: dict[str, str] = {
     "privacy-report": "dplightning.commands.report",
     "audit": "dplightning.commands.audit",
     "calibrate": "dplightning.commands.calibrate",
+    "configs": "dplightning.commands.configs",
 }
 """Commands of their own (module with a ``main(argv) -> int``); everything else is LightningCLI's."""
 
 TRACEBACK_FLAG, TRACEBACK_ENV = "--traceback", "DPLIGHTNING_TRACEBACK"
+EXTRAS = {"transformers": "hf", "peft": "hf", "tokenizers": "hf", "huggingface_hub": "hf", "matplotlib": "plots"}
+"""Packages of the optional extras (pyproject.toml) -> the extra that installs them."""
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -107,15 +111,60 @@ def main(args: list[str] | None = None) -> None:
     """
     argv = sys.argv[1:] if args is None else list(args)
     full_traceback = TRACEBACK_FLAG in argv or os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
-    argv = [arg for arg in argv if arg != TRACEBACK_FLAG]
+    argv = _shipped_configs([arg for arg in argv if arg != TRACEBACK_FLAG])
     if args is None:
         sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns if given both)
     try:
         _dispatch(argv, None if args is None else argv)
-    except (ValueError, TypeError) as err:
-        if full_traceback or not raised_by_dplightning(err):
+    except (ValueError, TypeError, ModuleNotFoundError) as err:
+        if full_traceback:
+            raise
+        if missing := _missing_extra(err):
+            _exit_with_one_line(missing)
+        if isinstance(err, ModuleNotFoundError) or not raised_by_dplightning(err):
             raise
         _exit_with_one_line(err)
+
+
+def _shipped_configs(argv: list[str]) -> list[str]:
+    """``--config NAME`` of a shipped config (``dplightning configs``) -> its path, where no such file exists here."""
+    out = list(argv)
+    if out and out[0] in COMMANDS and out[0] != "memory-plan":
+        return out
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if flag in ("--config", "-c") and eq:
+            out[i] = f"{flag}={_config_path(value)}"
+        elif arg in ("--config", "-c") and i + 1 < len(out):
+            out[i + 1] = _config_path(out[i + 1])
+    return out
+
+
+def _config_path(value: str) -> str:
+    if Path(value).exists() or any(c in value for c in "{}:\n"):  # a file here, or YAML given inline
+        return value
+    shipped = configs.find(value)
+    if shipped is None:
+        _exit_with_one_line(
+            f"no config file {value!r} here, and no shipped config of that name (`dplightning configs`)"
+        )
+    return str(shipped)
+
+
+def _missing_extra(err: BaseException) -> str | None:
+    """The one-line advice for a package of an optional extra missing anywhere in ``err``'s chain.
+
+    jsonargparse reports a class that failed to build as a ValueError, with the ImportError as
+    its cause, so the whole chain is searched.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ModuleNotFoundError) and (extra := EXTRAS.get((cause.name or "").split(".")[0])):
+            return f"{cause.name} is not installed; this needs the {extra} extra: pip install 'dplightning[{extra}]'"
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _dispatch(argv: list[str], cli_args: list[str] | None) -> None:
@@ -127,7 +176,8 @@ def _dispatch(argv: list[str], cli_args: list[str] | None) -> None:
             "dplightning also has: export --ckpt CKPT --out DIR (Hugging Face folders with the run's (ε, δ)), "
             "memory-plan --config CONFIG [--gpu-memory 80GB] (per-GPU memory of a DP step), privacy-report CKPT "
             "[--json] (the checkpoint's privacy claim, ε recomputed), audit (an empirical lower bound on ε) and "
-            "calibrate --target-epsilon E --sample-rate q --steps T (σ for a target ε, without training). "
+            "calibrate --target-epsilon E --sample-rate q --steps T (σ for a target ε, without training) and configs "
+            "(the shipped configs: --config NAME reads one from any folder, e.g. --config quickstart). "
             f"{TRACEBACK_FLAG} (or {TRACEBACK_ENV}=1) shows the full traceback of a configuration error.\n"
         )
     build_cli(cli_args)
@@ -143,7 +193,7 @@ def raised_by_dplightning(err: BaseException) -> bool:
     return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
 
 
-def _exit_with_one_line(err: BaseException) -> NoReturn:
+def _exit_with_one_line(err: BaseException | str) -> NoReturn:
     print(f"dplightning: error: {err} ({TRACEBACK_FLAG} for the full traceback)", file=sys.stderr)
     sys.exit(2)
 

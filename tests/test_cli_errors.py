@@ -101,3 +101,53 @@ def test_every_audit_option_is_described(capsys: pytest.CaptureFixture[str]) -> 
             flags, _, text = block.partition("\n")
             described = re.sub(r"\(?default: [^)]*\)?", "", " ".join(text.split()))
         assert len(described.split()) >= 4, f"undescribed: {flags.strip()}"
+
+
+def test_a_shipped_config_is_found_by_name_from_any_folder(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dplightning import configs
+    from dplightning.cli import _shipped_configs
+
+    monkeypatch.chdir(tmp_path)  # outside the repository: no configs/ folder here
+    quickstart = str(configs.ROOT / "quickstart.yaml")
+    assert _shipped_configs(["fit", "--config", "quickstart"]) == ["fit", "--config", quickstart]
+    assert _shipped_configs(["fit", "--config=configs/quickstart.yaml"]) == ["fit", f"--config={quickstart}"]
+    assert "quickstart" in configs.names() and "grape/vit_digits_dp_grape" in configs.names()
+    (tmp_path / "quickstart").write_text("a file of the user's own wins")
+    assert _shipped_configs(["fit", "-c", "quickstart"]) == ["fit", "-c", "quickstart"]
+    assert configs.find("../pyproject.toml") is None and configs.find("/etc/passwd") is None
+
+
+def test_a_missing_config_is_one_line_and_exit_status_2(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", "no_such.yaml"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "no config file 'no_such.yaml'" in err
+
+
+def test_a_missing_extra_names_the_extra_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dplightning.cli as cli
+
+    def dispatch(argv: list[str], cli_args: list[str] | None) -> None:
+        try:  # what jsonargparse does with a class that failed to build: a ValueError caused by the ImportError
+            raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+        except ModuleNotFoundError as err:
+            raise ValueError("Does not validate against any of the Union subtypes") from err
+
+    monkeypatch.setattr(cli, "_dispatch", dispatch)
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "pip install 'dplightning[hf]'" in err and len(err.splitlines()) == 1
+
+
+def test_privacy_report_on_a_missing_file_is_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["privacy-report", str(tmp_path / "typo.ckpt")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.endswith("no checkpoint file '" + str(tmp_path / "typo.ckpt") + "'")

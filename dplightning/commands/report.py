@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
     parser.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     args = parser.parse_args(argv)
+    if not Path(args.checkpoint).is_file():
+        print(f"dplightning privacy-report: error: no checkpoint file {args.checkpoint!r}", file=sys.stderr)
+        return 2
     try:
         report = load_report(args.checkpoint, trust=args.trust_checkpoint)
     except ValueError as err:  # unsafe to load, no ledger, or a ledger that contradicts the checkpoint

@@ -155,11 +155,12 @@ Runner = Callable[[str, Path, pytest.MonkeyPatch, pytest.CaptureFixture[str]], s
 RUN: list[tuple[str, Runner]] = [
     (r"(PYTHONPATH=\. )?dplightning (fit|predict|validate|test) ", parse_only),
     (r"dplightning (memory-plan|calibrate) ", run),
+    (r"dplightning configs\b", run),
     (r"dplightning privacy-report run\.ckpt$", run_on_tiny_checkpoint),
 ]
 SKIP: list[tuple[str, str]] = [
     (r"make (demo|test)\b", "creates .venv and trains / runs the whole suite"),
-    (r"\.venv/bin/python -m pip install ", "installs from the package index"),
+    (r"(\.venv/bin/python -m )?pip install ", "installs packages"),
     (r"(OMP_NUM_THREADS=1 )?python benchmarks/", "a measurement of minutes to hours"),
     (r"python examples/", "a training run (about 30 s)"),
     (r"(torchrun|sbatch) ", "cluster launchers: tests/integration/test_launchers.py and test_cluster_overlay.py"),
