@@ -303,7 +303,10 @@ def verify_per_example_sum(
     side's dtype: an fp32 tensor computed from bf16 activations (a projected gradient, an fp32
     parameter's gradient under autocast) carries bf16's error. Parameters with a non-finite side are
     skipped (their examples are dropped and counted by the mechanism). A transformed
-    parameter is compared in its slot's coordinates (the transforms are linear).
+    parameter is compared in its slot's coordinates (the transforms are linear). A parameter with
+    a nonzero autograd gradient and no per-example gradient at all is a mismatch whatever its
+    scale: its gradient reached it by a path the hooks never saw (a weight read outside its
+    layer's call), which the floor must not hide.
 
     Returns:
         ``(parameter, relative error)`` for each mismatch, in ``params`` order.
@@ -313,6 +316,7 @@ def verify_per_example_sum(
     errors: list[Tensor] = []
     scales: list[Tensor] = []
     tolerances: list[float] = []
+    missing: list[bool] = []  # autograd has a gradient, the hooks none at all: a path escaped them entirely
     for p in params:
         g, grad = grads.get(p), p.grad
         if g is None and grad is None:
@@ -332,6 +336,7 @@ def verify_per_example_sum(
             or (grad is not None and grad.dtype in _LOW_PRECISION)
         )
         checked.append(p)
+        missing.append(g is None)
         errors.append(torch.linalg.vector_norm(actual - expected.view(actual.shape)))
         scales.append(torch.linalg.vector_norm(actual) + spread)
         tolerances.append(5e-2 if low else 1e-3)
@@ -341,6 +346,6 @@ def verify_per_example_sum(
     floor = 1e-3 * math.sqrt(math.fsum(s * s for s in scale if math.isfinite(s)))
     return [
         (p, e / max(s, floor))
-        for p, e, s, tol in zip(checked, err, scale, tolerances)
-        if math.isfinite(e) and math.isfinite(s) and e > tol * max(s, floor)
+        for p, e, s, tol, none in zip(checked, err, scale, tolerances, missing)
+        if math.isfinite(e) and math.isfinite(s) and (e > tol * max(s, floor) or (none and e > 0))
     ]

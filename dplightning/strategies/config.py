@@ -58,8 +58,9 @@ _DOCS = {
     "secure_mode": "Draw noise and sampling decisions from the OS CSPRNG (slow).",
     "loss_reduction": '``"mean"`` if ``training_step`` averages the loss over the privacy units of the batch '
     '(the usual case), ``"sum"`` if it sums it.',
-    "grad_sample_mode": '``"hooks"`` (registered per-layer samplers and engines only) or ``"functorch"`` '
-    "(``torch.func`` for layers without one).",
+    "grad_sample_mode": '``"functorch"`` (default): registered per-layer samplers and engines where they exist, '
+    "``torch.func`` for any other layer (named in the engine table, checked by the gradient verification like every "
+    'layer); ``"hooks"``: registered samplers only, a trainable layer without one is refused.',
     "verify_gradients": "Check that autograd's gradient equals the sum of the per-example gradients, and refuse to "
     'train if not (a contribution escaped the per-example hooks): ``"first_steps"`` (default: the first steps with '
     'data, and again after the trainable parameters change), ``"always"`` or ``"never"``.',
@@ -103,7 +104,7 @@ class DPConfig:
     poisson_sampling: bool = True
     secure_mode: bool = False
     loss_reduction: Literal["mean", "sum"] = "mean"
-    grad_sample_mode: Literal["hooks", "functorch"] = "hooks"
+    grad_sample_mode: Literal["hooks", "functorch"] = "functorch"
     verify_gradients: Literal["first_steps", "always", "never"] = "first_steps"
     bucket_cap_mb: float = 25.0
     seed: int | None = None

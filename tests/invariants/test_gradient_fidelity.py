@@ -421,3 +421,48 @@ def test_layer_called_without_a_positional_input_is_refused() -> None:
     assert_refused_before_any_update(
         Net(KeywordCall()), _data(_x(6)), RuntimeError, r"'net\.body'.*without a positional tensor input"
     )
+
+
+class _RenamedRMSNorm(nn.Module):
+    """Llama's RMSNorm under a name no sampler is registered for (as Gemma, Granite, Cohere ... ship theirs)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x: Tensor) -> Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+
+
+def test_a_layer_without_a_sampler_is_differentiated_by_torch_func_by_default() -> None:
+    """Issue 43: a layer is not refused for its class name when torch.func computes it exactly."""
+    from dplightning.privacy.grad_sample.samplers import registered_sampler
+
+    net = nn.Sequential(nn.Linear(6, 8), _RenamedRMSNorm(8), nn.Tanh(), nn.Linear(8, 3))
+    assert registered_sampler(net[1]) is None
+    assert_dp_step_is_the_autograd_step(Net(net), _data(_x(6)))
+    strategy = dp(noise_multiplier=1.0)
+    make_trainer(strategy, max_steps=1).fit(Net(copy.deepcopy(net)), _data(_x(6)))
+    assert "torch.func" in strategy.engine_table()
+
+
+def test_hooks_mode_still_refuses_a_layer_without_a_sampler() -> None:
+    net = nn.Sequential(nn.Linear(6, 8), _RenamedRMSNorm(8), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match="No per-example gradient sampler.*_RenamedRMSNorm"):
+        make_trainer(dp(noise_multiplier=1.0, grad_sample_mode="hooks"), max_steps=1).fit(Net(net), _data(_x(6)))
+
+
+def test_a_weight_read_only_outside_its_layer_is_refused_whatever_its_scale() -> None:
+    """Issue 43 item 2 (DeBERTa's rel_embeddings): no call of the layer, a gradient far below the others'."""
+
+    class TableRead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.table = nn.Linear(6, 3), nn.Embedding(3, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.body(x) + 1e-7 * self.table.weight.sum(0)  # the table is read, its layer never called
+
+    assert_refused_before_any_update(Net(TableRead()), _data(_x(6)), RuntimeError, r"net\.table\.weight")

@@ -83,9 +83,9 @@ def test_batchnorm_is_refused_with_the_module_name() -> None:
         _fit(_BatchNormModule())
 
 
-def test_module_without_sampler_is_listed() -> None:
+def test_module_without_sampler_is_listed_under_hooks_mode() -> None:
     with pytest.raises(ValueError, match=r"net\.1 \(Scale\)"):
-        _fit(TinyModule(net=nn.Sequential(nn.Linear(6, 3), Scale())))
+        _fit(TinyModule(net=nn.Sequential(nn.Linear(6, 3), Scale())), dp(grad_sample_mode="hooks"))
 
 
 def test_custom_sampler_is_refused() -> None:
