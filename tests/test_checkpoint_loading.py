@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dplightning.cli import main as cli_main
-from dplightning.export import SAFE_GLOBALS, load_checkpoint
+from dplightning.commands.export import SAFE_GLOBALS, load_checkpoint
+from dplightning.commands.report import load_report
 from dplightning.models.hf import LoraSettings
-from dplightning.report import load_report
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dplightning.commands.export import load_module
+from dplightning.commands.export import main as export_main
 from dplightning.data import TextFileDataModule
-from dplightning.export import load_module
-from dplightning.export import main as export_main
 from dplightning.strategies._dp import CHECKPOINT_KEY
 from dplightning.tasks import CLASS_KEY, CONFIG_KEY, DPCausalLM
 from tests.helpers import dp, make_trainer

@@ -271,73 +271,14 @@ def test_nothing_under_privacy_imports_lightning(imports: list[Import]) -> None:
     assert not offenders
 
 
-# (old path, new path, names): modules moved by issue 26 item 1; the old path re-exports the same objects.
-MOVED: list[tuple[str, str, list[str]]] = [
-    (
-        "dplightning.data.poisson",
-        "dplightning.privacy.poisson",
-        ["PoissonBatchSampler", "CyclicPoissonBatchSampler", "EmptySafeCollate", "steps_per_epoch"],
-    ),
-    ("dplightning.data.provenance", "dplightning.privacy.provenance", ["PrivacyUnit", "data_provenance"]),
-    ("dplightning.modules.hf", "dplightning.models.hf", ["LoraSettings", "build_config", "from_pretrained"]),
-    ("dplightning.metrics.synthetic", "dplightning.evaluation.synthetic", ["evaluate", "main", "LocalFeatures"]),
-    ("dplightning.strategies._progress", "dplightning.callbacks.progress", ["NONFINITE_METRIC", "EpsilonProgress"]),
-    ("dplightning.export", "dplightning.commands.export", ["export", "privacy_of", "load_checkpoint", "main"]),
-    ("dplightning.report", "dplightning.commands.report", ["privacy_report", "format_report", "main"]),
-    ("dplightning.audit", "dplightning.commands.audit", ["audit", "epsilon_lower_bound", "sabotaged", "main"]),
-    ("dplightning.calibrate", "dplightning.commands.calibrate", ["main"]),
-]
-
-
-@pytest.mark.parametrize(("old", "new", "names"), MOVED, ids=[m[0] for m in MOVED])
-def test_an_old_path_still_gives_the_moved_objects(old: str, new: str, names: list[str]) -> None:
-    before, after = importlib.import_module(old), importlib.import_module(new)
-    for name in names:
-        assert getattr(before, name) is getattr(after, name), name
-    assert set(getattr(before, "__all__", [])) <= set(vars(after)), "the shim names something the new module lacks"
-
-
-def test_the_progress_callbacks_keep_their_old_private_names() -> None:
-    from dplightning.callbacks import progress
-    from dplightning.strategies import _progress
-
-    assert _progress._EpsilonProgress is progress.EpsilonProgress
-    assert _progress._NonfiniteCount is progress.NonfiniteCount
-    assert _progress._OptimizerMetrics is progress.OptimizerMetrics
-
-
-@pytest.mark.slow
-def test_the_evaluation_still_runs_from_its_old_path() -> None:
-    """``python -m dplightning.metrics.synthetic`` (docs, scripts) runs the moved evaluation's command line."""
-    result = subprocess.run(
-        [sys.executable, "-m", "dplightning.metrics.synthetic", "--help"], capture_output=True, text=True, timeout=240
-    )
-    assert result.returncode == 0, result.stderr
-    assert "--synthetic" in result.stdout
-
-
-def _public_names_defined_in(module: str) -> set[str]:
-    """The public names a module's source defines at its top level (functions, classes, assigned constants)."""
-    tree = ast.parse(ROOT.joinpath(*module.split(".")).with_suffix(".py").read_text(encoding="utf-8"))
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-    return {name for name in names if not name.startswith("_")}
-
-
-@pytest.mark.parametrize("name", ["export", "report", "audit", "calibrate"])
-def test_a_command_s_old_path_gives_every_public_name(name: str) -> None:
-    """``dplightning.export`` and the others re-export all that their command defines, as the same objects."""
-    old, new = importlib.import_module(f"dplightning.{name}"), importlib.import_module(f"dplightning.commands.{name}")
-    defined = _public_names_defined_in(f"dplightning.commands.{name}")
-    assert defined, "the parser found no name"
-    missing = sorted(n for n in defined if getattr(old, n, None) is not getattr(new, n))
-    assert not missing, f"dplightning.{name} lacks {missing}"
+def test_no_module_is_a_shim_of_a_moved_one() -> None:
+    """The moved-path re-exports are gone (no users of a 0.1 library to keep them for): one path per name."""
+    shims = [
+        str(path.relative_to(ROOT))
+        for path in PACKAGE_DIR.rglob("*.py")
+        if (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "").startswith("Moved to")
+    ]
+    assert not shims
 
 
 def test_the_cli_runs_every_command_from_the_commands_package() -> None:
@@ -375,61 +316,3 @@ def test_the_memory_plan_still_runs_from_the_planner_s_path() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "--gpu-memory" in result.stdout
-
-
-# The LightningModules' old package (issue 26 item 1: ``modules/`` became ``tasks/``); ``modules/hf.py`` is in MOVED.
-TASK_MODULES = ["_hf_module", "causal_lm", "classifier", "diffusion", "sequence_classifier", "timeseries_diffusion"]
-
-
-@pytest.mark.parametrize("name", TASK_MODULES)
-def test_a_task_module_s_old_path_gives_every_public_name(name: str) -> None:
-    """``dplightning.modules.<name>`` re-exports, as the same objects, the public names it had when it moved.
-
-    The shims are frozen at the move: a name added to ``dplightning.tasks`` later needs no shim entry.
-    """
-    old, new = (
-        importlib.import_module(f"dplightning.modules.{name}"),
-        importlib.import_module(f"dplightning.tasks.{name}"),
-    )
-    assert old.__all__, "the shim names nothing"
-    assert set(old.__all__) <= _public_names_defined_in(f"dplightning.tasks.{name}")
-    missing = sorted(n for n in old.__all__ if getattr(old, n, None) is not getattr(new, n))
-    assert not missing, f"dplightning.modules.{name} lacks {missing}"
-
-
-def test_the_old_package_gives_the_tasks_package_s_names() -> None:
-    """``dplightning.modules.ImageClassifier`` and the others are the classes of ``dplightning.tasks``."""
-    from dplightning import modules, tasks
-    from dplightning.modules.classifier import ImageClassifier
-
-    assert modules.__all__ and set(modules.__all__) <= set(tasks.__all__)
-    assert all(getattr(modules, name) is getattr(tasks, name) for name in modules.__all__)
-    assert ImageClassifier is tasks.ImageClassifier and ImageClassifier.__module__ == "dplightning.tasks.classifier"
-
-
-def test_a_pickle_that_names_an_old_class_path_loads_the_moved_class() -> None:
-    """A full ``torch.load`` of an old file unpickles classes by the dotted path they had when it was saved."""
-    import pickle
-
-    from dplightning.tasks import DPDiffusion, ImageClassifier
-
-    old = b"cdplightning.modules.classifier\nImageClassifier\ncdplightning.modules\nDPDiffusion\n\x86."
-    assert pickle.loads(old) == (ImageClassifier, DPDiffusion)
-
-
-@pytest.mark.parametrize(
-    "class_path", ["dplightning.modules.classifier.ImageClassifier", "dplightning.modules.ImageClassifier"]
-)
-def test_a_config_naming_an_old_class_path_builds_the_moved_class(class_path: str, tmp_path: Path) -> None:
-    """A user's YAML with ``class_path: dplightning.modules...`` (the shipped configs' old form) still builds."""
-    import yaml
-
-    from dplightning.cli import build_cli
-    from dplightning.tasks import ImageClassifier
-
-    config = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text(encoding="utf-8"))
-    config.pop("test_after_fit")  # a `fit` option: build_cli(run=False) takes no subcommand
-    config["model"]["class_path"] = class_path
-    (tmp_path / "old.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
-    cli = build_cli(["--config", str(tmp_path / "old.yaml")], run=False)
-    assert type(cli.model) is ImageClassifier

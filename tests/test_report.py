@@ -15,11 +15,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dplightning.cli import main as cli_main
+from dplightning.commands.export import privacy_of
+from dplightning.commands.report import format_report, load_report
 from dplightning.data import ETTDataModule
-from dplightning.export import privacy_of
 from dplightning.privacy.accounting import compute_epsilon
 from dplightning.privacy.provenance import UNDECLARED_UNIT, PrivacyUnit, describe_privacy_unit
-from dplightning.report import format_report, load_report
 from dplightning.strategies._dp import CHECKPOINT_KEY
 from dplightning.strategies.accounting import InconsistentLedger
 from dplightning.tasks import DPDiffusion

@@ -49,7 +49,7 @@ def fit_config(lora: dict[str, Any] | None = None, batch_size: int = 8, optimize
             "accelerator": "cpu",
             "strategy": {"class_path": "dplightning.DPStrategy", "init_args": {"noise_multiplier": 1.0}},
         },
-        "model": {"class_path": "dplightning.modules.DPCausalLM", "init_args": init},
+        "model": {"class_path": "dplightning.tasks.DPCausalLM", "init_args": init},
         "data": {
             "class_path": "dplightning.data.E2EDataModule",
             "init_args": {"batch_size": batch_size, "max_length": 32},
@@ -65,7 +65,7 @@ def component(p: Any, name: str) -> float:
 def test_counts_equal_the_instantiated_module(lora: dict[str, Any] | None) -> None:
     import torch
 
-    from dplightning.modules import DPCausalLM
+    from dplightning.tasks import DPCausalLM
 
     module = DPCausalLM(config=dict(TINY_OPT), lora=lora)
     optimizer = module.configure_optimizers()
@@ -173,8 +173,8 @@ def test_published_opt_6_7b_counts_6_7_billion() -> None:
 
 
 def test_dp_grape_plans_its_slots_for_states_and_buckets() -> None:
-    from dplightning.modules import DPCausalLM
     from dplightning.optim import DPGrape
+    from dplightning.tasks import DPCausalLM
 
     module = DPCausalLM(config=dict(TINY_OPT))
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -300,8 +300,8 @@ def test_the_state_is_found_by_stepping_not_by_the_class_name() -> None:
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
 @pytest.mark.parametrize("args", [{}, {"matrix_update": "adamw"}, {"exclude": ["embed", "head", "fc"]}])
 def test_dp_muon_is_planned_from_its_declared_fp32_state(args: dict[str, Any], precision: str) -> None:
-    from dplightning.modules import DPCausalLM
     from dplightning.optim import DPMuon
+    from dplightning.tasks import DPCausalLM
 
     module = DPCausalLM(config=dict(TINY_OPT))
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]

@@ -28,11 +28,11 @@ from torch.utils.data import TensorDataset
 
 import dplightning
 from dplightning.callbacks import PrivacyBudget
-from dplightning.export import load_checkpoint, privacy_of
+from dplightning.commands.export import load_checkpoint, privacy_of
+from dplightning.commands.report import format_report, privacy_report
 from dplightning.privacy.matrix_mechanism import Workload, optimize_banded, sensitivity_brute_force
 from dplightning.privacy.noise import GaussianNoise, derive_seed
 from dplightning.protocols import DPRelease
-from dplightning.report import format_report, privacy_report
 from dplightning.strategies._dp import CHECKPOINT_KEY
 from dplightning.strategies.accounting import InconsistentLedger, check_ledger
 from examples.dp_plan_optimizer import ProjectedSGD

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import dplightning
-from dplightning.export import load_checkpoint
+from dplightning.commands.export import load_checkpoint
+from dplightning.commands.report import privacy_report
 from dplightning.privacy.accounting import compute_epsilon
-from dplightning.report import privacy_report
 from tests.helpers import TinyModule, loader, make_dataset, make_trainer, params_of
 
 N = 64

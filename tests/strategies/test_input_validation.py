@@ -165,8 +165,8 @@ def test_resuming_on_another_world_size_is_checked_like_another_batch_size() -> 
 
 def test_the_non_finite_count_stays_out_of_what_is_handed_on(tmp_path) -> None:
     """One NaN example moved a raw count from 0 to 1 in the checkpoint and privacy-report (finding 51.A2)."""
-    from dplightning.export import load_checkpoint
-    from dplightning.report import format_report, privacy_report
+    from dplightning.commands.export import load_checkpoint
+    from dplightning.commands.report import format_report, privacy_report
     from dplightning.strategies._dp import CHECKPOINT_KEY
 
     data = make_dataset(N)

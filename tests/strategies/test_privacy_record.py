@@ -20,7 +20,8 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
 import dplightning
 from dplightning.cli import main as cli_main
-from dplightning.export import privacy_of
+from dplightning.commands.export import privacy_of
+from dplightning.commands.report import privacy_report
 from dplightning.privacy import record as record_module
 from dplightning.privacy.record import (
     CHECKPOINT_KEY,
@@ -30,7 +31,6 @@ from dplightning.privacy.record import (
     NoPrivacyRecord,
     PrivacyRecord,
 )
-from dplightning.report import privacy_report
 from dplightning.strategies import checkpoint as checkpoint_module
 from dplightning.strategies.checkpoint import DPCheckpointIO
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import dplightning
+from dplightning.commands.export import export
 from dplightning.data.text import PadCollate
-from dplightning.export import export
 from dplightning.tasks import DPCausalLM, DPSequenceClassifier
 from dplightning.tasks.causal_lm import left_padded
 from tests.helpers import dp, make_trainer, params_of

@@ -147,7 +147,7 @@ def settings_of(config: Mapping[str, Any]) -> Settings:
     accelerator = str(trainer.get("accelerator", "auto"))
     devices = trainer.get("devices", 1)
     return Settings(
-        model_class=str(model.get("class_path", "dplightning.modules.DPCausalLM")),
+        model_class=str(model.get("class_path", "dplightning.tasks.DPCausalLM")),
         model_args=_init_args(model),
         precision=precision_of(trainer.get("precision")),
         batch_size=int(data.get("batch_size", 32)),

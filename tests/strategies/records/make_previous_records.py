@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from dplightning.export import privacy_of
-from dplightning.report import privacy_report
+from dplightning.commands.export import privacy_of
+from dplightning.commands.report import privacy_report
 from tests.helpers import TinyModule, dp, loader, make_dataset, make_trainer
 
 OUT = Path(__file__).with_name("previous_records.json")
