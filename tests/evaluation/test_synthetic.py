@@ -144,7 +144,7 @@ def test_the_step_count_does_not_depend_on_the_set_size(digits) -> None:
         fit = fit_classifier(x[:n], y[:n], net, protocol=Protocol(steps=70, evaluations=7))
         assert calls["train"] == fit.steps == 70
         assert fit.n_train + fit.n_holdout == n and fit.selected_step in range(10, 71, 10)
-    assert Protocol().steps == DEFAULT_STEPS >= 1000  # a few hundred steps do not converge (notes/issue23.md)
+    assert Protocol().steps == DEFAULT_STEPS >= 1000  # a few hundred steps do not converge (docs/dpdm.md)
 
 
 def test_the_hold_out_is_stratified_and_disjoint_from_training() -> None:
