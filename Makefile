@@ -5,8 +5,8 @@ BIN := $(VENV)/bin
 # torch is installed first and pinned, so that the package's range installs nothing more;
 # override for another build, e.g. `make TORCH=torch==2.9.1 test`.
 TORCH ?= torch==2.13.0
-# The fast tier leaves out what spawns processes, kills them, or trains end to end (markers in pyproject.toml).
-FAST := not multiprocess and not crash and not e2e and not slow
+# The fast tier leaves out what spawns processes, kills them, trains end to end, and the lab's own tests.
+FAST := not multiprocess and not crash and not e2e and not slow and not lab
 # Two pytest-xdist workers (a file's tests stay on one worker); `make test XDIST=` runs in one process.
 XDIST ?= -n 2 --dist loadfile
 

@@ -57,7 +57,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 from pathlib import Path
 from typing import Any
@@ -223,6 +223,33 @@ class Experiment:
                 record.update(margin=c.margin, mean_margin=c.mean_margin)
             records.append({**record, "text": c.text(self.metric, self.higher_is_better)})
         return records
+
+
+def replication(experiment: Experiment, record_path: Path, seeds: Sequence[int]) -> Experiment:
+    """``experiment`` again on new final seeds, every arm fixed at what its complete record selected.
+
+    Nothing is tuned again and nothing else changes: the arms' runs, the criteria and the settings
+    are the original's, fixed before any replication run (the settings name the record replicated,
+    so the replication is a record of its own). Only the final seeds are new.
+
+    Raises:
+        ProtocolError: If the record is not complete, is of another experiment, or a seed was
+            already used by it (for tuning or for the final runs).
+    """
+    record = json.loads(Path(record_path).read_text())
+    if record.get("status") != "complete":
+        raise ProtocolError(f"{record_path} is not a complete record: there is nothing to replicate")
+    if record.get("identity") != experiment.identity():
+        raise ProtocolError(f"{record_path} is the record of another experiment (or of other settings)")
+    reused = sorted(set(seeds) & (set(experiment.tuning_seeds) | set(experiment.final_seeds)))
+    if reused:
+        raise ProtocolError(f"seeds {reused} were used by {experiment.name}; a replication needs new seeds")
+    source = {"experiment": record["experiment"], "digest": record["digest"],
+              "commit": record["environment"]["dplightning"]["commit"]}  # fmt: skip
+    why = f"selected by {record['experiment']} (digest {record['digest'][:12]})"
+    arms = [replace(a, grid=[record["selection"][a.name]["hparams"]], fixed=why) for a in experiment.arms]
+    return replace(experiment, name=f"{experiment.name}_replication", arms=arms, final_seeds=tuple(seeds),
+                   settings={**experiment.settings, "replicates": source})  # fmt: skip
 
 
 def validation_split(n_train: int, fraction: float = 0.1, seed: int = 0) -> tuple[list[int], list[int]]:

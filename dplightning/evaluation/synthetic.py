@@ -44,7 +44,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 from dplightning.models.small import SmallCNN
 
 DEFAULT_STEPS = 2000
-"""Optimizer steps of every downstream classifier, independent of the training set's size (docs/dpdm.md: the downstream protocol, measured)."""
+"""Optimizer steps of every downstream classifier, independent of the training set's size (see docs/dpdm.md)."""
 DEFAULT_LR = 3e-3
 """Adam's peak learning rate; it decays to 0 on a cosine over :data:`DEFAULT_STEPS`."""
 DEFAULT_BATCH_SIZE = 128

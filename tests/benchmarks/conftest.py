@@ -1,4 +1,4 @@
-"""Fixtures shared by the tests of the benchmark scripts."""
+"""Fixtures shared by the tests of the benchmark scripts; every test here is marked ``lab`` (by folder)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,11 @@ def benchmark_module(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleT
     """
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     return importlib.import_module
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The lab's tests (benchmark and protocol scripts, not the package) leave ``make test-fast``."""
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if item.path.is_relative_to(here):
+            item.add_marker(pytest.mark.lab)

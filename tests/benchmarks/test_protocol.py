@@ -377,3 +377,22 @@ def test_a_one_point_grid_is_still_tuned_unless_fixed(proto: ModuleType, tmp_pat
         proto.Arm("C", arm_fn(0.0, 0.01, calls, "C"), GRID[1:2], fixed="")
     with pytest.raises(proto.ProtocolError, match="exactly one grid point"):
         proto.Arm("C", arm_fn(0.0, 0.01, calls, "C"), GRID, fixed="why")
+
+
+def test_a_replication_reruns_the_selected_points_on_new_seeds_only(proto: ModuleType, tmp_path: Path) -> None:
+    """Issue 44: a fragile result is replicated on new seeds, with nothing tuned again."""
+    calls: list = []
+    original = experiment(proto, 0.02, calls)
+    first = run(proto, original, tmp_path)
+    calls.clear()
+    again = proto.replication(original, tmp_path / "t.json", seeds=[10, 11, 12, 13, 14])
+    record = run(proto, again, tmp_path)
+    assert not [c for c in calls if c[3] == "val"]  # no selection run
+    assert sorted({c[2] for c in calls}) == [10, 11, 12, 13, 14]
+    assert {c[1] for c in calls} == {first["selection"][a]["hparams"]["lr"] for a in ("A", "B")}
+    assert record["experiment"] == "t_replication" and record["identity"]["settings"]["replicates"]["digest"]
+    assert [c["text"] for c in record["criteria_registered"]] == [c["text"] for c in first["criteria_registered"]]
+    with pytest.raises(proto.ProtocolError, match="new seeds"):
+        proto.replication(original, tmp_path / "t.json", seeds=[0, 10, 11, 12, 13])
+    with pytest.raises(proto.ProtocolError, match="another experiment"):
+        proto.replication(experiment(proto, 0.02, calls, name="other"), tmp_path / "t.json", seeds=range(10, 15))
