@@ -17,6 +17,7 @@ anywhere on the command line, or ``DPLIGHTNING_TRACEBACK=1``, shows the full tra
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import os
 import sys
@@ -110,6 +111,7 @@ def main(args: list[str] | None = None) -> None:
     command with one line on stderr and exit status 2 (see the module docstring).
     """
     argv = sys.argv[1:] if args is None else list(args)
+    _quiet_adverts()
     full_traceback = TRACEBACK_FLAG in argv or os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
     argv = _shipped_configs([arg for arg in argv if arg != TRACEBACK_FLAG])
     if args is None:
@@ -124,6 +126,21 @@ def main(args: list[str] | None = None) -> None:
         if isinstance(err, ModuleNotFoundError) or not raised_by_dplightning(err):
             raise
         _exit_with_one_line(err)
+
+
+class _NoAdverts(logging.Filter):
+    """Drops Lightning's advertisement lines (a "💡 Tip:" for a cloud product) from the command's output."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+def _quiet_adverts() -> None:
+    """The command, not the library: importing dplightning leaves the user's logging as it was."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoAdverts) for f in logger.filters):
+            logger.addFilter(_NoAdverts())
 
 
 def _shipped_configs(argv: list[str]) -> list[str]:

@@ -151,3 +151,13 @@ def test_privacy_report_on_a_missing_file_is_one_line(tmp_path, capsys: pytest.C
         cli_main(["privacy-report", str(tmp_path / "typo.ckpt")])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and err.endswith("no checkpoint file '" + str(tmp_path / "typo.ckpt") + "'")
+
+
+def test_the_command_drops_lightning_s_adverts(tmp_path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    import logging
+
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO):
+        cli_main(_fit_args("--trainer.strategy.noise_multiplier", "1.0"))
+    assert any("No target_epsilon" in m for m in caplog.messages)  # our own lines still come through
+    assert not [m for m in caplog.messages if m.startswith("💡")]

@@ -189,6 +189,7 @@ class PrivacyAccounting:
             self.ledger.grid_min_gap = max(1, self.mechanism.compositions(total_steps) // 100)
             self.ledger.grid_end = self.mechanism.compositions(total_steps)
         if self.config.target_epsilon is None:
+            self._announce_planned_epsilon(total_steps)
             return
         if total_steps is None:
             raise ValueError("target_epsilon needs a finite training length: set max_epochs or max_steps.")
@@ -196,6 +197,22 @@ class PrivacyAccounting:
             self._calibrate(total_steps)
         elif self.ledger.steps and not self.mechanism.correlated:  # a correlated run never resumes
             self._warn_if_resumed_run_overspends(total_steps)
+
+    def _announce_planned_epsilon(self, total: int | None) -> None:
+        """Without a target, say up front which ε the given σ reaches at the planned steps (one line)."""
+        sigma, q, delta = self.accounted_noise_multiplier, self.sample_rate, self.delta
+        if total is None or sigma is None or q is None or delta is None or self.mechanism.correlated:
+            return
+        remaining = total - self.ledger.steps
+        if remaining <= 0:
+            return
+        planned = math.inf if sigma == 0 else compute_epsilon(
+            [*self.ledger.history, (sigma, q, remaining)], delta, self.config.accountant
+        )  # fmt: skip
+        rank_zero_info(
+            f"No target_epsilon: σ = {self.noise_multiplier:.4g} reaches ε = {planned:.4g} (δ = {delta:.3g}) at the "
+            f"{total} planned steps; pass target_epsilon to choose ε and have σ calibrated instead."
+        )
 
     def _plan_correlated(self, total: int | None) -> None:
         name = self.mechanism.name

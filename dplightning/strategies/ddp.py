@@ -84,37 +84,54 @@ class DPDDPStrategy(_DPHooks, DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         module = known(self.lightning_module, "the LightningModule")
-        if self.world_size > 1 and self.private_step is not None and is_overridden("on_train_batch_start", module):
-            self._agree_on_epoch_ends(module)
+        if self.world_size > 1 and self.private_step is not None:
+            self._agree_on_leaving(module)
 
     @override
     def teardown(self) -> None:
         module = self.lightning_module
-        if module is not None and getattr(module.__dict__.get("on_train_batch_start"), "_dp_agreeing", False):
-            del module.__dict__["on_train_batch_start"]
+        for hook in _AGREED_HOOKS:
+            if module is not None and getattr(module.__dict__.get(hook), "_dp_agreeing", False):
+                del module.__dict__[hook]
         super().teardown()
 
-    def _agree_on_epoch_ends(self, module: Any) -> None:
-        """Wrap the module's ``on_train_batch_start``: every rank ends an epoch at the same batch, or all stop.
+    def _agree_on_leaving(self, module: Any) -> None:
+        """Every rank leaves an epoch or the fit at the same batch, or every rank stops with an error.
 
-        Its -1 ends the epoch on the rank that returned it; Lightning does not share that
-        decision. Each release all-reduces every rank's clipped sum, so a rank that leaves
-        alone leaves the others waiting in that all-reduce (or pairs it with one of Lightning's
-        own collectives) until the process group's timeout. One count of the ranks that end,
-        taken after the hook on every rank, turns that into an error on every rank at once.
+        Lightning lets one rank leave alone: its module's ``on_train_batch_start`` returning -1
+        ends that rank's epoch, and ``trainer.should_stop`` set on that rank (by a callback or
+        the module, in ``on_train_batch_end``) ends its fit; neither is shared. Each release
+        all-reduces every rank's clipped sum, so the others would wait in that all-reduce (or
+        pair it with one of Lightning's own collectives) until the process group's timeout. The
+        module's two hooks are wrapped: after each, one count of the ranks that leave, and a
+        split count is an error on every rank at once, before anything of the batch is released.
         """
-        own = module.on_train_batch_start
+        trainer = known(self._trainer, "the Trainer")
+        if is_overridden("on_train_batch_start", module):
+            own_start = module.on_train_batch_start
 
-        def on_train_batch_start(batch: Any, batch_idx: int) -> Any:
-            response = own(batch, batch_idx)
-            ending = torch.tensor([int(response == -1)], dtype=torch.int32, device=self.root_device)
-            dist.all_reduce(ending, op=dist.ReduceOp.SUM)
-            with decision("epoch_end_agreement"):
-                _refuse_lone_epoch_end(int(ending.item()), self.world_size, response == -1, batch_idx)
+            def on_train_batch_start(batch: Any, batch_idx: int) -> Any:
+                response = own_start(batch, batch_idx)
+                what = "on_train_batch_start returned -1 (end the epoch)"
+                self._refuse_leaving_alone(what, response == -1, batch_idx, "Nothing of this batch was released.")
+                return response
+
+            _install(module, "on_train_batch_start", on_train_batch_start)
+        own_end = module.on_train_batch_end
+
+        def on_train_batch_end(outputs: Any, batch: Any, batch_idx: int) -> Any:
+            response = own_end(outputs, batch, batch_idx)  # after every callback's on_train_batch_end
+            what, released = "trainer.should_stop was set (end the fit)", "This batch's release is in the ledger."
+            self._refuse_leaving_alone(what, trainer.should_stop, batch_idx, released)
             return response
 
-        on_train_batch_start._dp_agreeing = True  # type: ignore[attr-defined]
-        module.__dict__["on_train_batch_start"] = on_train_batch_start
+        _install(module, "on_train_batch_end", on_train_batch_end)
+
+    def _refuse_leaving_alone(self, what: str, leaving: bool, batch_idx: int, spent: str) -> None:
+        count = torch.tensor([int(leaving)], dtype=torch.int32, device=self.root_device)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        with decision("rank_agreement"):
+            _refuse_lone_leave(what, int(count.item()), self.world_size, leaving, batch_idx, spent)
 
     @override
     def configure_ddp(self) -> None:
@@ -175,12 +192,19 @@ class DPDDPStrategy(_DPHooks, DDPStrategy):
             )
 
 
-def _refuse_lone_epoch_end(ending: int, world: int, this_rank: bool, batch_idx: int) -> None:
-    if 0 < ending < world:
+_AGREED_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+
+
+def _install(module: Any, hook: str, wrapper: Any) -> None:
+    wrapper._dp_agreeing = True
+    module.__dict__[hook] = wrapper
+
+
+def _refuse_lone_leave(what: str, leaving: int, world: int, this_rank: bool, batch_idx: int, spent: str) -> None:
+    if 0 < leaving < world:
         raise RuntimeError(
-            f"on_train_batch_start returned -1 (end the epoch) on {ending} of {world} ranks at batch {batch_idx} "
-            f"(this rank: {'-1' if this_rank else 'continue'}). Under dp_ddp every rank takes every step: each "
-            "release adds all ranks' clipped sums, and a rank that leaves alone would leave the others waiting "
-            "for it until the process group's timeout. Decide once for all ranks, e.g. "
-            "return self.trainer.strategy.broadcast(-1 if stop else 0). Nothing of this batch was released."
+            f"{what} on {leaving} of {world} ranks at batch {batch_idx} (this rank: {'yes' if this_rank else 'no'}). "
+            "Under dp_ddp every rank takes every step: each release adds all ranks' clipped sums, and a rank that "
+            "leaves alone would leave the others waiting for it until the process group's timeout. Decide once for "
+            f"all ranks, e.g. stop = self.trainer.strategy.reduce_boolean_decision(stop, all=False). {spent}"
         )

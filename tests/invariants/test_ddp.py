@@ -228,6 +228,24 @@ def test_an_epoch_end_on_one_rank_stops_every_rank(tmp_path) -> None:
     assert time.monotonic() - start < 100  # not the process group's timeout
 
 
+class _StopOnRankOne(TinyModule):
+    """Rank 1 alone sets trainer.should_stop after its second batch (an early stop decided on local data)."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:  # type: ignore[no-untyped-def]
+        if self.trainer.global_rank == 1 and batch_idx == 1:
+            self.trainer.should_stop = True
+
+
+def test_a_fit_stopped_on_one_rank_stops_every_rank(tmp_path) -> None:
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(Exception, match="should_stop was set .* on 1 of 2 ranks"):
+        run_ddp(_StopOnRankOne(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=1.0,
+                max_steps=6, timeout=timedelta(seconds=150))  # fmt: skip
+    assert time.monotonic() - start < 100  # not the process group's timeout
+
+
 def test_an_epoch_end_on_every_rank_trains_on(tmp_path) -> None:
     ranks = run_ddp(_EpochEndOnEveryRank(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=1.0,
                     max_steps=6, timeout=timedelta(seconds=60))  # fmt: skip

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -155,3 +157,14 @@ def _step_internals(module: Any) -> list[str]:
 @pytest.mark.parametrize("module", [_dp, state], ids=["_dp", "state"])
 def test_the_hooks_and_the_state_use_only_the_private_steps_public_surface(module: Any) -> None:
     assert _step_internals(module) == []
+
+
+def test_a_fit_without_a_target_says_which_epsilon_it_will_reach(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 42 item 3: σ given, no target: the first lines name the ε at the planned steps, the one reached."""
+    strategy = dp(noise_multiplier=1.3)
+    with caplog.at_level(logging.INFO):
+        make_trainer(strategy, max_steps=6).fit(TinyModule(), loader(make_dataset(64), 16))
+    (line,) = [m for m in caplog.messages if m.startswith("No target_epsilon")]
+    planned = float(re.search(r"reaches ε = ([0-9.]+)", line).group(1))
+    assert "at the 6 planned steps" in line
+    assert planned == pytest.approx(strategy.get_epsilon(), rel=1e-3)
