@@ -539,11 +539,14 @@ def _results(experiment: Experiment, record: dict[str, Any]) -> dict[str, Any]:
             "per_seed": {str(s): m[metric] for s, m in zip(seeds, per_seed)},
         }
     pairs = []
+    registered = {frozenset((c.better, c.worse)) for c in experiment.criteria}
     for a, b in combinations([arm.name for arm in experiment.arms], 2):
         diffs = [final[a, s][metric] - final[b, s][metric] for s in seeds]
         interval = paired_interval(diffs)
-        pairs.append({"a": a, "b": b, "diffs": diffs, **interval,
-                      "verdict": verdict(a, b, interval, experiment.higher_is_better)})  # fmt: skip
+        # Only a registered comparison gets a verdict; any other pair is described, never "beats".
+        said = (verdict(a, b, interval, experiment.higher_is_better) if frozenset((a, b)) in registered
+                else f"not registered, described only ({_span(a, b, interval)})")  # fmt: skip
+        pairs.append({"a": a, "b": b, "diffs": diffs, **interval, "verdict": said})
     by_pair = {(p["a"], p["b"]): p for p in pairs}
     criteria = []
     for c, registered in zip(experiment.criteria, record["final_started"]["criteria"]):

@@ -396,3 +396,17 @@ def test_a_replication_reruns_the_selected_points_on_new_seeds_only(proto: Modul
         proto.replication(original, tmp_path / "t.json", seeds=[0, 10, 11, 12, 13])
     with pytest.raises(proto.ProtocolError, match="another experiment"):
         proto.replication(experiment(proto, 0.02, calls, name="other"), tmp_path / "t.json", seeds=range(10, 15))
+
+
+def test_a_comparison_nobody_registered_is_described_never_claimed(proto: ModuleType, tmp_path: Path) -> None:
+    """Issue 44: generated tables printed "A beats B" for pairs without a pre-registered criterion."""
+    calls: list = []
+    arms = [proto.Arm(n, arm_fn(off, 0.005, calls, n), GRID) for n, off in (("A", 0.2), ("B", 0.0), ("C", 0.1))]
+    exp = proto.Experiment(name="three", arms=arms, metric="accuracy", criteria=[proto.Criterion("A", "B")])
+    record = run(proto, exp, tmp_path)
+    verdicts = {(p["a"], p["b"]): p["verdict"] for p in record["pairs"]}
+    assert verdicts["A", "B"].startswith("A beats B")
+    assert verdicts["A", "C"].startswith("not registered") and "beats" not in verdicts["A", "C"]
+    assert (
+        "C beats" not in (tmp_path / "three.md").read_text() and "A beats C" not in (tmp_path / "three.md").read_text()
+    )
