@@ -104,7 +104,8 @@ class DPDDPStrategy(_DPHooks, DDPStrategy):
         all-reduces every rank's clipped sum, so the others would wait in that all-reduce (or
         pair it with one of Lightning's own collectives) until the process group's timeout. The
         module's two hooks are wrapped: after each, one count of the ranks that leave, and a
-        split count is an error on every rank at once, before anything of the batch is released.
+        split count is an error on every rank at once (after a -1, before anything of that batch
+        is released).
         """
         trainer = known(self._trainer, "the Trainer")
         if is_overridden("on_train_batch_start", module):
