@@ -200,19 +200,26 @@ class PrivacyAccounting:
 
     def _announce_planned_epsilon(self, total: int | None) -> None:
         """Without a target, say up front which ε the given σ reaches at the planned steps (one line)."""
-        sigma, q, delta = self.accounted_noise_multiplier, self.sample_rate, self.delta
-        if total is None or sigma is None or q is None or delta is None or self.mechanism.correlated:
+        projected = None if self.mechanism.correlated else self._epsilon_at_end(total)
+        if projected is None:
             return
-        remaining = total - self.ledger.steps
-        if remaining <= 0:
-            return
-        planned = math.inf if sigma == 0 else compute_epsilon(
-            [*self.ledger.history, (sigma, q, remaining)], delta, self.config.accountant
-        )  # fmt: skip
         rank_zero_info(
-            f"No target_epsilon: σ = {self.noise_multiplier:.4g} reaches ε = {planned:.4g} (δ = {delta:.3g}) at the "
-            f"{total} planned steps; pass target_epsilon to choose ε and have σ calibrated instead."
+            f"No target_epsilon: σ = {self.noise_multiplier:.4g} reaches ε = {projected[0]:.4g} "
+            f"(δ = {self.delta:.3g}) at the {total} planned steps; pass target_epsilon to choose ε and have σ "
+            "calibrated instead."
         )
+
+    def _epsilon_at_end(self, total: int | None) -> tuple[float, int] | None:
+        """ε after ``total`` planned steps at the accounted σ and q, and the steps still to come.
+
+        ``None`` if a value is unknown or no step remains.
+        """
+        sigma, q, delta = self.accounted_noise_multiplier, self.sample_rate, self.delta
+        remaining = None if total is None else total - self.ledger.steps
+        if remaining is None or remaining <= 0 or sigma is None or q is None or delta is None:
+            return None
+        history = [*self.ledger.history, (sigma, q, remaining)]
+        return compute_epsilon(history, delta, self.config.accountant), remaining
 
     def _plan_correlated(self, total: int | None) -> None:
         name = self.mechanism.name
@@ -267,11 +274,9 @@ class PrivacyAccounting:
         rank_zero_warn(f"{change} The ledger accounts the new q from here on; ε stays exact.", stacklevel=3)
 
     def _warn_if_resumed_run_overspends(self, total: int) -> None:
-        remaining = total - self.ledger.steps
-        sigma, q, delta = self.accounted_noise_multiplier, self.sample_rate, self.delta
-        if remaining <= 0 or sigma is None or q is None or delta is None:
+        if (at_end := self._epsilon_at_end(total)) is None:
             return
-        projected = compute_epsilon([*self.ledger.history, (sigma, q, remaining)], delta, self.config.accountant)
+        projected, remaining = at_end
         if projected > self.config.target_epsilon:  # type: ignore[operator]
             rank_zero_warn(
                 f"The resumed run keeps σ = {self.noise_multiplier:.4g}, calibrated for target_epsilon = "

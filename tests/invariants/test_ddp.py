@@ -7,6 +7,7 @@ compares ranks with each other and with single-process references.
 from __future__ import annotations
 
 import math
+import time
 from datetime import timedelta
 
 import pytest
@@ -194,15 +195,19 @@ class _PenaltyOnRankOne(TinyModule):
         return loss
 
 
+def _assert_every_rank_stops(module: TinyModule, match: str, folder: str, max_steps: int) -> None:
+    """The fit raises ``match`` well before the process group's 150 s timeout: no rank was left waiting."""
+    start = time.monotonic()
+    with pytest.raises(Exception, match=match):
+        run_ddp(module, loader(make_dataset(N), BATCH), folder, noise_multiplier=1.0, max_steps=max_steps,
+                timeout=timedelta(seconds=150))  # fmt: skip
+    assert time.monotonic() - start < 100
+
+
 def test_a_check_that_one_rank_refuses_stops_every_rank(tmp_path) -> None:
     """The ranks decide a check's outcome together: no rank is left waiting in the release (finding 51.A5a)."""
-    import time
-
-    start = time.monotonic()
-    with pytest.raises(Exception, match="Autograd's gradient differs|Another process refused this step"):
-        run_ddp(_PenaltyOnRankOne(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=1.0,
-                max_steps=2, timeout=timedelta(seconds=150))  # fmt: skip
-    assert time.monotonic() - start < 100  # not the process group's timeout: rank 0 refused too
+    match = "Autograd's gradient differs|Another process refused this step"
+    _assert_every_rank_stops(_PenaltyOnRankOne(), match, str(tmp_path), max_steps=2)
 
 
 class _EpochEndOnRankOne(TinyModule):
@@ -219,13 +224,7 @@ class _EpochEndOnEveryRank(TinyModule):
 
 def test_an_epoch_end_on_one_rank_stops_every_rank(tmp_path) -> None:
     """No rank is left waiting in the release for one that ended its epoch alone (finding 51.A5b)."""
-    import time
-
-    start = time.monotonic()
-    with pytest.raises(Exception, match="returned -1 .* on 1 of 2 ranks"):
-        run_ddp(_EpochEndOnRankOne(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=1.0,
-                max_steps=6, timeout=timedelta(seconds=150))  # fmt: skip
-    assert time.monotonic() - start < 100  # not the process group's timeout
+    _assert_every_rank_stops(_EpochEndOnRankOne(), "returned -1 .* on 1 of 2 ranks", str(tmp_path), max_steps=6)
 
 
 class _StopOnRankOne(TinyModule):
@@ -237,13 +236,7 @@ class _StopOnRankOne(TinyModule):
 
 
 def test_a_fit_stopped_on_one_rank_stops_every_rank(tmp_path) -> None:
-    import time
-
-    start = time.monotonic()
-    with pytest.raises(Exception, match="should_stop was set .* on 1 of 2 ranks"):
-        run_ddp(_StopOnRankOne(), loader(make_dataset(N), BATCH), str(tmp_path), noise_multiplier=1.0,
-                max_steps=6, timeout=timedelta(seconds=150))  # fmt: skip
-    assert time.monotonic() - start < 100  # not the process group's timeout
+    _assert_every_rank_stops(_StopOnRankOne(), "should_stop was set .* on 1 of 2 ranks", str(tmp_path), max_steps=6)
 
 
 def test_an_epoch_end_on_every_rank_trains_on(tmp_path) -> None:
