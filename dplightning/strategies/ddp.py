@@ -129,10 +129,15 @@ class DPDDPStrategy(_DPHooks, DDPStrategy):
         _install(module, "on_train_batch_end", on_train_batch_end)
 
     def _refuse_leaving_alone(self, what: str, leaving: bool, batch_idx: int, spent: str) -> None:
-        count = torch.tensor([int(leaving)], dtype=torch.int32, device=self.root_device)
-        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        count = self._ranks_with(leaving)
         with decision("rank_agreement"):
-            _refuse_lone_leave(what, int(count.item()), self.world_size, leaving, batch_idx, spent)
+            _refuse_lone_leave(what, count, self.world_size, leaving, batch_idx, spent)
+
+    def _ranks_with(self, flag: bool) -> int:
+        """How many ranks hold ``flag`` (one int all-reduce, on every rank)."""
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.root_device)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return int(value.item())
 
     @override
     def configure_ddp(self) -> None:
@@ -165,9 +170,7 @@ class DPDDPStrategy(_DPHooks, DDPStrategy):
     def _all_ranks_agree(self, flag: bool) -> bool:
         if self.world_size == 1:
             return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.root_device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-        return bool(value.item())
+        return self._ranks_with(flag) == self.world_size
 
     @override
     def _bucket_reducer(self) -> BucketReducer | None:
